@@ -1,0 +1,299 @@
+"""Sharded safetensors read/write driven by a family's HF name table.
+
+Import streams shard by shard into one preallocated buffer per parameter (peak RAM about the
+model's size plus one parameter), and export plans shards from shapes, then writes one at a time.
+bf16 is handled through ml_dtypes, so the round trip is byte-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxloop.models.config import ConfigError, LoopedConfig
+from jaxloop.models.families import hf_table
+from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_param
+from jaxloop.models.looped import LoopedLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+NON_PERSISTENT_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+ROLE_KEY = "jaxloop_role"
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """An HF checkpoint does not match the model it claims to be."""
+
+
+# ---- safetensors files ---------------------------------------------------------------------------
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) from one safetensors file, memory-mapped (no full read)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        arr = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        yield name, arr
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None) -> None:
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, arr in tensors.items():
+        nbytes = arr.nbytes
+        header[name] = {
+            "dtype": _ST_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+
+
+def checkpoint_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [hf_dir / f for f in sorted(set(weight_map.values()))]
+    if (hf_dir / SINGLE_FILE).is_file():
+        return [hf_dir / SINGLE_FILE]
+    raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+# ---- shapes ----------------------------------------------------------------------------------------
+def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
+    return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
+
+
+def hf_tensor_shapes(cfg: LoopedConfig, role: str = "actor") -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name and shape of a model, from shapes alone (no memory for weights)."""
+    model = abstract_model(cfg, role)
+    shapes = {}
+    for t in expand(hf_table(cfg, role), cfg):
+        shape = tuple(get_param(model, t.path).shape)
+        if t.layer is not None:
+            shape = shape[1:]
+        shapes[t.name] = hf_shape(t.layout, shape)
+    return shapes
+
+
+# ---- import ----------------------------------------------------------------------------------------
+def read_hf_config(path: str | Path) -> tuple[LoopedConfig, str]:
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory")
+    cfg = LoopedConfig.from_hf_dir(path)
+    return cfg, cfg.hf_config.get(ROLE_KEY, "actor")
+
+
+def load_hf(
+    path: str | Path,
+    dtype: str | None = "float32",
+    compute_dtype: str | None = None,
+    **config_overrides,
+) -> LoopedLM:
+    """Load an HF checkpoint (sharded or single-file safetensors) as a LoopedLM.
+
+    dtype: parameter dtype (None keeps the checkpoint's); compute_dtype defaults to dtype.
+    Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor.
+    """
+    path = Path(path)
+    cfg, role = read_hf_config(path)
+    files = checkpoint_files(path)
+    if dtype is None:
+        dtype = _first_float_dtype(files)
+    cfg = cfg.replace(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
+    model = abstract_model(cfg, role)
+    targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    buffers: dict[tuple[str, ...], np.ndarray] = {}
+    seen: set[str] = set()
+    for file in files:
+        for name, arr in read_safetensors(file):
+            if name not in targets:
+                if name.endswith(NON_PERSISTENT_SUFFIXES):
+                    continue
+                raise CheckpointError(f"unexpected tensor {name} in {file.name}")
+            t = targets[name]
+            full_shape = tuple(get_param(model, t.path).shape)
+            slice_shape = full_shape[1:] if t.layer is not None else full_shape
+            want = hf_shape(t.layout, slice_shape)
+            if tuple(arr.shape) != want:
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(arr.shape)}, expected {want}"
+                )
+            if t.path not in buffers:
+                buffers[t.path] = np.empty(full_shape, np_dtype)
+            value = to_param(arr, t.layout, slice_shape).astype(np_dtype)
+            if t.layer is None:
+                buffers[t.path][...] = value
+            else:
+                buffers[t.path][t.layer] = value
+            seen.add(name)
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more} in {path}")
+    return _materialise(model, buffers)
+
+
+def _first_float_dtype(files: list[Path]) -> str:
+    for _, arr in read_safetensors(files[0]):
+        return str(jnp.dtype(arr.dtype))
+    raise CheckpointError(f"{files[0]} holds no tensors")
+
+
+def _materialise(model: LoopedLM, buffers: dict) -> LoopedLM:
+    """Move host buffers into the abstract model one at a time (freeing each host copy)."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path in list(buffers):
+        var = flat[path]
+        var.value = jnp.asarray(buffers.pop(path))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---- export ----------------------------------------------------------------------------------------
+def parse_size(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    if s.endswith("B"):
+        s = s[:-1]
+    return int(s)
+
+
+def save_hf(
+    model: LoopedLM,
+    path: str | Path,
+    dtype: str = "bfloat16",
+    max_shard_size: str | int = "5GB",
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write config.json, sharded safetensors and the index; atomically (temp dir, then rename)."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty")
+    cfg = model.config
+    table = hf_table(cfg, model.role)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    limit = parse_size(max_shard_size)
+    shapes = hf_tensor_shapes(cfg, model.role)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    shard_of = {name: i for i, names in enumerate(shards) for name in names}
+    file_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if n == 1:
+        file_names = [SINGLE_FILE]
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        pending: dict[str, np.ndarray] = {}
+        current = 0
+        total = 0
+        for name, arr in iter_hf_tensors(model, table):
+            if shard_of[name] != current:
+                write_safetensors(tmp / file_names[current], pending)
+                pending, current = {}, shard_of[name]
+            pending[name] = arr.astype(np_dtype)
+            total += pending[name].nbytes
+        write_safetensors(tmp / file_names[current], pending)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {name: file_names[shard_of[name]] for name in shapes},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        hf = cfg.to_hf_dict()
+        hf["torch_dtype"] = str(jnp.dtype(dtype))
+        if model.role == "critic":
+            hf[ROLE_KEY] = "critic"
+        else:
+            hf.pop(ROLE_KEY, None)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            shutil.copy2(f, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def init_model(cfg: LoopedConfig, seed: int = 0, role: str = "actor") -> LoopedLM:
+    return LoopedLM(cfg, rngs=nnx.Rngs(seed), role=role)
+
+
+def count_params(model: LoopedLM) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

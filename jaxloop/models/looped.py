@@ -1,0 +1,262 @@
+"""The one looped decoder (Nanbeige4.2 and Ouro) as a Flax NNX module.
+
+Physical layers are stored stacked on a leading 'layers' axis and run with `lax.scan`; the loops
+are an outer `lax.scan` over the same weights. Each (loop, layer) has its own KV cache slot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxloop.models import layers as L
+from jaxloop.models.config import LoopedConfig
+from jaxloop.models.kv_cache import KVCache
+
+ROLES = ("actor", "critic")
+
+
+def _param(value: jax.Array, axes: tuple) -> nnx.Param:
+    assert value.ndim == len(axes), (value.shape, axes)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def _normal(key, shape, dtype, std=0.02):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class Blocks(nnx.Module):
+    """The physical decoder layers, each parameter stacked on a leading layer axis."""
+
+    def __init__(self, cfg: LoopedConfig, key: jax.Array):
+        n, e, m = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt = jnp.dtype(cfg.param_dtype)
+        keys = jax.random.split(key, 7)
+        ones = jnp.ones((n, e), dt)
+        self.input_norm = _param(ones, ("layers", "norm"))
+        self.q_proj = _param(_normal(keys[0], (n, e, h, d), dt), ("layers", "embed", "q_heads", "head_dim"))
+        self.k_proj = _param(_normal(keys[1], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v_proj = _param(_normal(keys[2], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o_proj = _param(_normal(keys[3], (n, h, d, e), dt), ("layers", "q_heads", "head_dim", "embed"))
+        self.post_attn_norm = _param(ones, ("layers", "norm"))
+        self.gate_proj = _param(_normal(keys[4], (n, e, m), dt), ("layers", "embed", "mlp"))
+        self.up_proj = _param(_normal(keys[5], (n, e, m), dt), ("layers", "embed", "mlp"))
+        self.down_proj = _param(_normal(keys[6], (n, m, e), dt), ("layers", "mlp", "embed"))
+        if cfg.sandwich_norm:
+            self.attn_out_norm = _param(ones, ("layers", "norm"))
+            self.mlp_out_norm = _param(ones, ("layers", "norm"))
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array | None  # [B, S, V] float32 (actor), last loop
+    values: jax.Array | None  # [B, S] float32 (critic)
+    hidden: jax.Array  # [B, S, E] LM-head input of the last loop
+    loop_logits: jax.Array | None  # [loops, B, S, V] when requested
+    exit_probs: jax.Array | None  # [loops, B, S] Ouro exit distribution when requested
+    cache: KVCache | None
+
+
+class LoopedLM(nnx.Module):
+    """Looped decoder with an LM head (role='actor') or a scalar value head (role='critic')."""
+
+    def __init__(self, cfg: LoopedConfig, *, rngs: nnx.Rngs, role: str = "actor"):
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}; expected one of {ROLES}")
+        self.config = cfg
+        self.role = role
+        e, v = cfg.hidden_size, cfg.vocab_size
+        dt = jnp.dtype(cfg.param_dtype)
+        keys = jax.random.split(rngs.params(), 4)
+        self.embed = _param(_normal(keys[0], (v, e), dt), ("vocab", "embed"))
+        self.blocks = Blocks(cfg, keys[1])
+        self.final_norm = _param(jnp.ones((e,), dt), ("norm",))
+        if role == "actor":
+            self.lm_head = _param(_normal(keys[2], (e, v), dt), ("embed", "vocab"))
+        else:
+            self.value_head = _param(jnp.zeros((e,), dt), ("embed",))
+            self.value_bias = _param(jnp.zeros((), dt), ())
+        if cfg.early_exit_gate:
+            self.exit_gate = _param(_normal(keys[3], (e,), dt), ("embed",))
+            self.exit_bias = _param(jnp.zeros((), dt), ())
+
+    def __call__(self, input_ids, positions=None, attention_mask=None):
+        out = self.forward(input_ids, positions, attention_mask)
+        return out.logits if self.role == "actor" else out.values
+
+    def forward(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        return_loops: bool = False,
+        logits_slice: slice | None = None,
+    ) -> ModelOutput:
+        return looped_forward(
+            self,
+            input_ids,
+            positions,
+            attention_mask,
+            cache=cache,
+            return_loops=return_loops,
+            logits_slice=logits_slice,
+        )
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def _block_weights(blocks: Blocks, dtype) -> dict[str, jax.Array]:
+    names = ["input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attn_norm"]
+    names += ["gate_proj", "up_proj", "down_proj"]
+    if hasattr(blocks, "attn_out_norm"):
+        names += ["attn_out_norm", "mlp_out_norm"]
+    return {n: getattr(blocks, n)[...].astype(dtype) for n in names}
+
+
+def looped_forward(
+    model: LoopedLM,
+    input_ids: jax.Array,
+    positions: jax.Array | None,
+    attention_mask: jax.Array | None,
+    *,
+    cache: KVCache | None = None,
+    return_loops: bool = False,
+    logits_slice: slice | None = None,
+) -> ModelOutput:
+    cfg = model.config
+    cdt = jnp.dtype(cfg.compute_dtype)
+    b, s = input_ids.shape
+    eps = cfg.rms_norm_eps
+
+    if attention_mask is None:
+        attention_mask = jnp.ones((b, s), jnp.bool_)
+    attention_mask = attention_mask.astype(jnp.bool_)
+    if positions is None:
+        if cache is None:
+            positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+        else:
+            prev = jnp.sum(cache.valid, axis=1, keepdims=True)
+            positions = prev + jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    positions = positions.astype(jnp.int32)
+
+    cos, sin = L.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    weights = _block_weights(model.blocks, cdt)
+    final_norm = model.final_norm[...].astype(cdt)
+
+    if cache is None:
+        causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
+        mask = causal[None] & attention_mask[:, None, :]
+        use_cudnn = cfg.attention_impl == "cudnn"
+        valid = None
+    else:
+        t = cache.max_length
+        valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
+        slots = jnp.arange(t)
+        query_slots = cache.index + jnp.arange(s)
+        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
+        use_cudnn = False
+
+    def layer(h, w, kv_slot):
+        x = L.rms_norm(h, w["input_norm"], eps)
+        q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
+        k = jnp.einsum("bse,ehd->bshd", x, w["k_proj"])
+        v = jnp.einsum("bse,ehd->bshd", x, w["v_proj"])
+        q = L.apply_rope(q, cos, sin)
+        k = L.apply_rope(k, cos, sin)
+        if kv_slot is not None:
+            k_cache, v_cache = kv_slot
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache.index, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache.index, 0, 0))
+            new_slot = (k, v)
+            k, v = k.astype(cdt), v.astype(cdt)
+        else:
+            new_slot = None
+        if use_cudnn:
+            attn = L.cudnn_causal_attention(q, k, v)
+        else:
+            attn = L.grouped_attention(q, k, v, mask)
+        o = jnp.einsum("bshd,hde->bse", attn, w["o_proj"])
+        if cfg.sandwich_norm:
+            o = L.rms_norm(o, w["attn_out_norm"], eps)
+        h = h + o
+        x = L.rms_norm(h, w["post_attn_norm"], eps)
+        m = L.swiglu(x, w["gate_proj"], w["up_proj"], w["down_proj"])
+        if cfg.sandwich_norm:
+            m = L.rms_norm(m, w["mlp_out_norm"], eps)
+        return h + m, new_slot
+
+    layer = _remat(layer, cfg.remat)
+
+    def run_layers(h, loop_cache):
+        def body(h, xs):
+            w, kv_slot = xs
+            h, new_slot = layer(h, w, kv_slot)
+            return h, new_slot
+
+        return jax.lax.scan(body, h, (weights, loop_cache))
+
+    def run_loop(carry, xs):
+        h, loop_index = carry
+        h, new_loop_cache = run_layers(h, xs)
+        is_last = loop_index == cfg.num_loops - 1
+        if cfg.norm_between_loops:
+            h = L.rms_norm(h, final_norm, eps)
+        else:
+            h = jnp.where(is_last, L.rms_norm(h, final_norm, eps), h)
+        ys = (new_loop_cache, h if return_loops else None)
+        return (h, loop_index + 1), ys
+
+    h0 = model.embed[...].astype(cdt)[input_ids]
+    loop_xs = None if cache is None else (cache.k, cache.v)
+    (h, _), (new_kv, loop_hidden) = jax.lax.scan(
+        run_loop, (h0, jnp.int32(0)), loop_xs, length=cfg.num_loops
+    )
+
+    new_cache = None
+    if cache is not None:
+        new_cache = KVCache(k=new_kv[0], v=new_kv[1], valid=valid, index=cache.index + s)
+
+    hidden = h if logits_slice is None else h[:, logits_slice]
+    logits = values = loop_logits = exit_probs = None
+    if model.role == "actor":
+        lm_head = model.lm_head[...].astype(cdt)
+        logits = _project(hidden, lm_head)
+        if return_loops:
+            lh = loop_hidden if logits_slice is None else loop_hidden[:, :, logits_slice]
+            loop_logits = jax.vmap(lambda x: _project(x, lm_head))(lh)
+    else:
+        vh = model.value_head[...].astype(cdt)
+        values = jnp.einsum("bse,e->bs", hidden, vh, preferred_element_type=jnp.float32)
+        values = values + model.value_bias[...].astype(jnp.float32)
+    if return_loops and cfg.early_exit_gate:
+        exit_probs = exit_distribution(model, loop_hidden)
+    return ModelOutput(logits, values, hidden, loop_logits, exit_probs, new_cache)
+
+
+def _project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
+    return jnp.einsum("bse,ev->bsv", hidden, lm_head, preferred_element_type=jnp.float32)
+
+
+def exit_distribution(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:
+    """Ouro exit distribution p_t over loops: lambda_t = sigmoid(gate(h_t)),
+    p_t = lambda_t * prod_{j<t}(1 - lambda_j), and the last step takes the remaining mass."""
+    gate = jnp.einsum(
+        "lbse,e->lbs", loop_hidden, model.exit_gate[...].astype(loop_hidden.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    lam = jax.nn.sigmoid(gate + model.exit_bias[...].astype(jnp.float32))
+    survive = jnp.cumprod(1.0 - lam, axis=0)
+    survive_before = jnp.concatenate([jnp.ones_like(survive[:1]), survive[:-1]], axis=0)
+    probs = lam * survive_before
+    return probs.at[-1].set(survive_before[-1])
