@@ -1,0 +1,58 @@
+"""The rollout contract: what the train loop sends to an engine and what comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling for one generate call. Log-probs are of the processed distribution:
+    log_softmax(logits / temperature) (top-p / top-k filtering is not reflected in them)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = ()
+    greedy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRequest:
+    prompt_ids: tuple[int, ...]
+    seed: int  # per-sample seed: derived from (config seed, update, sample index)
+    group_id: int
+    sample_index: int
+    label: str = ""
+    prompt_text: str = ""
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # engine's selected-token log-probs (processed distribution)
+    finish_reason: str  # 'stop' (hit a stop token, included in response_ids) or 'length'
+    policy_version: int
+    seed: int
+    group_id: int
+    sample_index: int
+    label: str = ""
+    prompt_text: str = ""
+    response_text: str = ""
+    reward: float | None = None
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishStats:
+    version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
