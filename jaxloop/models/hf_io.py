@@ -69,7 +69,9 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         if name == "__metadata__":
             continue
         if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            raise CheckpointError(
+                f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}"
+            )
         start, end = info["data_offsets"]
         arr = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
         yield name, arr

@@ -38,10 +38,18 @@ class Blocks(nnx.Module):
         keys = jax.random.split(key, 7)
         ones = jnp.ones((n, e), dt)
         self.input_norm = _param(ones, ("layers", "norm"))
-        self.q_proj = _param(_normal(keys[0], (n, e, h, d), dt), ("layers", "embed", "q_heads", "head_dim"))
-        self.k_proj = _param(_normal(keys[1], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim"))
-        self.v_proj = _param(_normal(keys[2], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim"))
-        self.o_proj = _param(_normal(keys[3], (n, h, d, e), dt), ("layers", "q_heads", "head_dim", "embed"))
+        self.q_proj = _param(
+            _normal(keys[0], (n, e, h, d), dt), ("layers", "embed", "q_heads", "head_dim")
+        )
+        self.k_proj = _param(
+            _normal(keys[1], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim")
+        )
+        self.v_proj = _param(
+            _normal(keys[2], (n, e, kv, d), dt), ("layers", "embed", "kv_heads", "head_dim")
+        )
+        self.o_proj = _param(
+            _normal(keys[3], (n, h, d, e), dt), ("layers", "q_heads", "head_dim", "embed")
+        )
         self.post_attn_norm = _param(ones, ("layers", "norm"))
         self.gate_proj = _param(_normal(keys[4], (n, e, m), dt), ("layers", "embed", "mlp"))
         self.up_proj = _param(_normal(keys[5], (n, e, m), dt), ("layers", "embed", "mlp"))
@@ -176,8 +184,12 @@ def looped_forward(
         k = L.apply_rope(k, cos, sin)
         if kv_slot is not None:
             k_cache, v_cache = kv_slot
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache.index, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache.index, 0, 0))
+            k = jax.lax.dynamic_update_slice(
+                k_cache, k.astype(k_cache.dtype), (0, cache.index, 0, 0)
+            )
+            v = jax.lax.dynamic_update_slice(
+                v_cache, v.astype(v_cache.dtype), (0, cache.index, 0, 0)
+            )
             new_slot = (k, v)
             k, v = k.astype(cdt), v.astype(cdt)
         else:
@@ -252,7 +264,9 @@ def exit_distribution(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:
     """Ouro exit distribution p_t over loops: lambda_t = sigmoid(gate(h_t)),
     p_t = lambda_t * prod_{j<t}(1 - lambda_j), and the last step takes the remaining mass."""
     gate = jnp.einsum(
-        "lbse,e->lbs", loop_hidden, model.exit_gate[...].astype(loop_hidden.dtype),
+        "lbse,e->lbs",
+        loop_hidden,
+        model.exit_gate[...].astype(loop_hidden.dtype),
         preferred_element_type=jnp.float32,
     )
     lam = jax.nn.sigmoid(gate + model.exit_bias[...].astype(jnp.float32))

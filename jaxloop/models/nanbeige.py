@@ -13,7 +13,9 @@ BACKBONE_TABLE: list[TensorMap] = [
     TensorMap(_LAYER + "self_attn.k_proj.weight", ("blocks", "k_proj"), "heads_out", True),
     TensorMap(_LAYER + "self_attn.v_proj.weight", ("blocks", "v_proj"), "heads_out", True),
     TensorMap(_LAYER + "self_attn.o_proj.weight", ("blocks", "o_proj"), "heads_in", True),
-    TensorMap(_LAYER + "post_attention_layernorm.weight", ("blocks", "post_attn_norm"), "copy", True),
+    TensorMap(
+        _LAYER + "post_attention_layernorm.weight", ("blocks", "post_attn_norm"), "copy", True
+    ),
     TensorMap(_LAYER + "mlp.gate_proj.weight", ("blocks", "gate_proj"), "linear", True),
     TensorMap(_LAYER + "mlp.up_proj.weight", ("blocks", "up_proj"), "linear", True),
     TensorMap(_LAYER + "mlp.down_proj.weight", ("blocks", "down_proj"), "linear", True),
