@@ -44,7 +44,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     total = int(np.prod(sizes))
     if total > len(devices):
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices, have {len(devices)}"
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {total} devices, "
+            f"have {len(devices)}"
         )
     return Mesh(np.array(devices[:total]).reshape(sizes), MESH_AXES)
 

@@ -57,7 +57,7 @@ class CheckpointError(ValueError):
     """An HF checkpoint does not match the model it claims to be."""
 
 
-# ---- safetensors files ---------------------------------------------------------------------------
+# ---- safetensors files
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one safetensors file, memory-mapped (no full read)."""
     path = Path(path)
@@ -107,7 +107,7 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
-# ---- shapes ----------------------------------------------------------------------------------------
+# ---- shapes
 def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
     return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
 
@@ -124,7 +124,7 @@ def hf_tensor_shapes(cfg: LoopedConfig, role: str = "actor") -> dict[str, tuple[
     return shapes
 
 
-# ---- import ----------------------------------------------------------------------------------------
+# ---- import
 def read_hf_config(path: str | Path) -> tuple[LoopedConfig, str]:
     path = Path(path)
     if not path.is_dir():
@@ -200,7 +200,7 @@ def _materialise(model: LoopedLM, buffers: dict) -> LoopedLM:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-# ---- export ----------------------------------------------------------------------------------------
+# ---- export
 def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
