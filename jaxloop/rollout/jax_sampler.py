@@ -1,0 +1,232 @@
+"""The embedded rollout engine: batched prefill + decode over the per-(loop, layer) KV cache.
+
+One jitted program per (batch bucket, prompt bucket, sampling settings): prompts are left-padded
+to a power-of-two length and the batch to a multiple of 8, so a run compiles a handful of times,
+not every update. Each row samples from its own seed (key = fold_in(key(seed), step)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxloop.models.families import hf_table
+from jaxloop.models.hf_mapping import expand, to_param
+from jaxloop.models.kv_cache import init_cache
+from jaxloop.models.looped import LoopedLM
+from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def process_logits(logits: jax.Array, temperature: float) -> jax.Array:
+    """log_softmax(logits / temperature): the distribution whose log-probs samples carry."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+
+
+def filter_logprobs(logprobs: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Mask (to -inf) tokens outside top-k and outside the top-p nucleus."""
+    neg_inf = jnp.finfo(jnp.float32).min
+    if top_k > 0:
+        kth = jax.lax.top_k(logprobs, top_k)[0][..., -1:]
+        logprobs = jnp.where(logprobs < kth, neg_inf, logprobs)
+    if top_p < 1.0:
+        sorted_lp = jnp.sort(logprobs, axis=-1)[..., ::-1]
+        cumulative = jnp.cumsum(jnp.exp(sorted_lp), axis=-1)
+        # keep the smallest set whose mass reaches top_p (the token crossing it included)
+        keep_sorted = (cumulative - jnp.exp(sorted_lp)) < top_p
+        threshold = jnp.min(jnp.where(keep_sorted, sorted_lp, jnp.inf), axis=-1, keepdims=True)
+        logprobs = jnp.where(logprobs < threshold, neg_inf, logprobs)
+    return logprobs
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling_key", "cache_len")
+)
+def _generate(
+    graphdef,
+    state,
+    prompt_ids,
+    prompt_mask,
+    seeds,
+    stop_ids,
+    *,
+    max_new_tokens: int,
+    sampling_key: tuple,
+    cache_len: int,
+):
+    temperature, top_p, top_k, greedy = sampling_key
+    model = nnx.merge(graphdef, state)
+    batch = prompt_ids.shape[0]
+    cache = init_cache(model.config, batch, cache_len)
+    out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
+    last_logits = out.logits[:, -1]
+    keys = jax.vmap(jax.random.key)(seeds)
+
+    def pick(logits, step):
+        lp = process_logits(logits, temperature)
+        if greedy:
+            token = jnp.argmax(lp, axis=-1)
+        else:
+            filtered = filter_logprobs(lp, top_k, top_p)
+            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+            token = jax.vmap(jax.random.categorical)(step_keys, filtered)
+        token = token.astype(jnp.int32)
+        return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
+
+    def body(step, carry):
+        cache, logits, tokens, logprobs, done = carry
+        token, lp = pick(logits, step)
+        token = jnp.where(done, 0, token)
+        tokens = tokens.at[:, step].set(token)
+        logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, lp))
+        done = done | jnp.isin(token, stop_ids)
+        out = model.forward(
+            token[:, None], attention_mask=jnp.ones((batch, 1), jnp.bool_), cache=cache
+        )
+        return out.cache, out.logits[:, -1], tokens, logprobs, done
+
+    tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
+    done = jnp.zeros((batch,), jnp.bool_)
+    carry = (out.cache, last_logits, tokens, logprobs, done)
+    # the last step's forward is wasted work; keeping the loop uniform keeps one compiled body
+    _, _, tokens, logprobs, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
+    return tokens, logprobs
+
+
+@dataclasses.dataclass
+class JaxSamplerEngine:
+    """Embedded engine: generates with the same NNX decoder the trainer uses."""
+
+    model: LoopedLM
+    min_prompt_bucket: int = 8
+    batch_multiple: int = 8
+    _version: int | None = None
+    _state: nnx.State | None = None
+    last_publish: PublishStats | None = None
+
+    def __post_init__(self):
+        self._graphdef, _ = nnx.split(self.model)
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def publish(self, policy, version: int) -> PublishStats:
+        """Install a policy: an nnx.State of the trainer's model (zero-copy hand-off) or an
+        iterable of HF-named tensors (checked for completeness and shapes, like remote engines)."""
+        start = time.perf_counter()
+        if isinstance(policy, nnx.State):
+            state = policy
+            count = len(jax.tree.leaves(state))
+        else:
+            state, count = self._state_from_hf(policy)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        self._state, self._version = state, version
+        self.last_publish = PublishStats(version, count, nbytes, time.perf_counter() - start)
+        return self.last_publish
+
+    def _state_from_hf(self, tensors: Iterable[tuple[str, np.ndarray]]):
+        cfg = self.model.config
+        targets = {t.name: t for t in expand(hf_table(cfg, self.model.role), cfg)}
+        _, state = nnx.split(self.model)
+        flat = dict(nnx.to_flat_state(state))
+        buffers: dict[tuple, np.ndarray] = {}
+        seen = set()
+        for name, arr in tensors:
+            t = targets.get(name)
+            if t is None:
+                raise PublicationError(f"unknown tensor {name}")
+            full = tuple(flat[t.path].shape)
+            slice_shape = full[1:] if t.layer is not None else full
+            value = to_param(np.asarray(arr), t.layout, slice_shape)
+            if value.shape != slice_shape:
+                raise PublicationError(f"tensor {name} has the wrong shape {np.shape(arr)}")
+            buf = buffers.setdefault(t.path, np.empty(full, flat[t.path][...].dtype))
+            if t.layer is None:
+                buf[...] = value
+            else:
+                buf[t.layer] = value
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            raise PublicationError(f"publication is missing tensor {missing[0]}")
+        for path, buf in buffers.items():
+            flat[path] = flat[path].replace(jnp.asarray(buf))
+        return nnx.from_flat_state(flat), len(seen)
+
+    def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
+        if self._state is None:
+            raise NotPublishedError("generate() before any policy version was published")
+        if not requests:
+            return []
+        n = len(requests)
+        longest = max(len(r.prompt_ids) for r in requests)
+        prompt_len = _bucket(longest, self.min_prompt_bucket)
+        batch = -(-n // self.batch_multiple) * self.batch_multiple
+        ids = np.zeros((batch, prompt_len), np.int32)
+        mask = np.zeros((batch, prompt_len), np.bool_)
+        seeds = np.zeros((batch,), np.uint32)
+        for i, r in enumerate(requests):
+            p = np.asarray(r.prompt_ids, np.int32)
+            ids[i, prompt_len - len(p) :] = p
+            mask[i, prompt_len - len(p) :] = True
+            seeds[i] = np.uint32(r.seed % (1 << 32))
+        mask[n:, -1] = True  # padding rows: one dummy token so no row is fully masked
+        stop = np.asarray(sampling.stop_token_ids or (-1,), np.int32)
+        key = (
+            float(sampling.temperature),
+            float(sampling.top_p),
+            int(sampling.top_k),
+            bool(sampling.greedy),
+        )
+        tokens, logprobs = _generate(
+            self._graphdef,
+            self._state,
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jnp.asarray(seeds),
+            jnp.asarray(stop),
+            max_new_tokens=sampling.max_new_tokens,
+            sampling_key=key,
+            cache_len=prompt_len + sampling.max_new_tokens,
+        )
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        stop_set = set(sampling.stop_token_ids)
+        samples = []
+        for i, r in enumerate(requests):
+            row = tokens[i].tolist()
+            length, reason = len(row), "length"
+            for j, tok in enumerate(row):
+                if tok in stop_set:
+                    length, reason = j + 1, "stop"
+                    break
+            samples.append(
+                Sample(
+                    prompt_ids=list(r.prompt_ids),
+                    response_ids=row[:length],
+                    response_logprobs=logprobs[i, :length].tolist(),
+                    finish_reason=reason,
+                    policy_version=self._version,
+                    seed=r.seed,
+                    group_id=r.group_id,
+                    sample_index=r.sample_index,
+                    label=r.label,
+                    prompt_text=r.prompt_text,
+                )
+            )
+        return samples
+
+    def close(self) -> None:
+        self._state = None
