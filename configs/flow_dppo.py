@@ -1,4 +1,4 @@
-"""flow_dppo: tiny looped Nanbeige-family model from random init, built-in task, embedded sampler."""
+"""flow_dppo: tiny looped Nanbeige-family model, random init, built-in task, embedded sampler."""
 
 from jaxloop.config import base_config
 

@@ -143,6 +143,30 @@ def _split_micro(batch: dict, micro: int) -> dict:
     return {k: pad(v) for k, v in batch.items()}
 
 
+def _accumulate(micro_loss, params, batch):
+    """Sum loss, gradients and metric sums of `micro_loss(params, x) -> (loss, sums)` over the
+    leading micro-batch axis of `batch` with one scan (one compiled body for any count)."""
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    first = jax.tree.map(lambda v: v[0], batch)
+    sum_shapes = jax.eval_shape(lambda: micro_loss(params, first)[1])
+
+    def step(carry, x):
+        grads, loss, sums = carry
+        (micro, micro_sums), g = grad_fn(params, x)
+        return (
+            jax.tree.map(jnp.add, grads, g),
+            loss + micro,
+            jax.tree.map(jnp.add, sums, micro_sums),
+        ), None
+
+    init = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.float32(0.0),
+        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sum_shapes),
+    )
+    return jax.lax.scan(step, init, batch)[0]
+
+
 @dataclasses.dataclass
 class LearnerConfig:
     micro_batch_size: int
@@ -267,20 +291,7 @@ class Learner:
             loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums(metrics, x["mask"])
 
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def accumulate(carry, x):
-            grads, loss, sums = carry
-            (l, s), g = grad_fn(params, x)
-            grads = jax.tree.map(jnp.add, grads, g)
-            sums = jax.tree.map(jnp.add, sums, s)
-            return (grads, loss + l, sums), None
-
-        first = jax.tree.map(lambda v: v[0], batch)
-        shapes = jax.eval_shape(lambda: micro_loss(params, first)[1])
-        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), zero_sums)
-        (grads, loss, sums), _ = jax.lax.scan(accumulate, init, batch)
+        grads, loss, sums = _accumulate(micro_loss, params, batch)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = self.actor_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -298,16 +309,7 @@ class Learner:
             loss = reduce_loss(per_token, x["mask"], self.hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums({"vf_clip_frac": metrics["vf_clip_frac"]}, x["mask"])
 
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def accumulate(carry, x):
-            grads, loss, sums = carry
-            (l, s), g = grad_fn(params, x)
-            return (jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)), None
-
-        zero = {"vf_clip_frac": (jnp.float32(0.0), jnp.float32(0.0))}
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), zero)
-        (grads, loss, sums), _ = jax.lax.scan(accumulate, init, batch)
+        grads, loss, sums = _accumulate(micro_loss, params, batch)
         updates, opt_state = self.critic_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         s, c = sums["vf_clip_frac"]
