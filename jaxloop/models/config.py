@@ -107,6 +107,13 @@ def _require(hf: dict, key: str):
 def _reject_common(hf: dict) -> None:
     if hf.get("rope_scaling") is not None:
         raise ConfigError(f"rope_scaling={hf['rope_scaling']!r} is not implemented (only null)")
+    rope_parameters = hf.get("rope_parameters")  # transformers >= 5 writes RoPE settings here
+    if rope_parameters is not None:
+        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(
+                f"rope_parameters={rope_parameters!r} is not implemented (only default RoPE)"
+            )
     if hf.get("tie_word_embeddings", False):
         raise ConfigError("tie_word_embeddings=true is not implemented (looped models are untied)")
     if hf.get("attention_bias", False):
@@ -129,6 +136,13 @@ def _head_dim(hf: dict) -> int:
     return int(head_dim)
 
 
+def _rope_theta(hf: dict) -> float:
+    if hf.get("rope_theta") is not None:
+        return float(hf["rope_theta"])
+    rope_parameters = hf.get("rope_parameters") or {}
+    return float(rope_parameters.get("rope_theta", 10000.0))
+
+
 def _common_fields(hf: dict) -> dict[str, Any]:
     num_heads = int(_require(hf, "num_attention_heads"))
     return dict(
@@ -139,7 +153,7 @@ def _common_fields(hf: dict) -> dict[str, Any]:
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=_head_dim(hf),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     )
 
