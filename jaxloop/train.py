@@ -7,9 +7,7 @@ evaluation and checkpoints. A run dir that holds a checkpoint resumes from it au
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,9 +19,8 @@ from flax import nnx
 
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, parse_args
-from jaxloop.data.datasets import DataError, make_eval_examples, make_source
-from jaxloop.data.rewards import get_reward
-from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer, TokenizerError
+from jaxloop.data.datasets import DataError
+from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
 from jaxloop.models.hf_io import CheckpointError
@@ -31,16 +28,16 @@ from jaxloop.models.orbax_io import RunDirError, restore_model
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.learner import Learner, LearnerConfig, build_rollout_arrays, make_optimizer
 from jaxloop.rl.losses import LossHParams
-from jaxloop.rollout.types import PromptRequest, Sample, SamplingConfig
+from jaxloop.rollout.producer import (
+    ProducerSettings,
+    RolloutProducer,
+    derive_seed,
+)
+from jaxloop.rollout.types import SamplingConfig
 
 
 class LogprobMismatchError(RuntimeError):
     """Engine and trainer disagree on the sampled tokens' log-probs beyond the configured bound."""
-
-
-def derive_seed(*parts: int) -> int:
-    """A per-sample seed from (config seed, update, sample index): no global RNG state."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
 # ---- building blocks from the config ----
@@ -86,22 +83,6 @@ def build_critic(actor: LoopedLM, seed: int) -> LoopedLM:
     critic_state.replace_by_pure_dict(pure)
     nnx.update(critic, critic_state)
     return critic
-
-
-def build_tokenizer(cfg):
-    if cfg.data.tokenizer == "char":
-        return CharTokenizer(vocab_size=cfg.model.vocab_size)
-    return HFTokenizer(cfg.data.tokenizer)
-
-
-def build_engine(cfg, actor: LoopedLM):
-    if cfg.rollout.engine == "jax":
-        from jaxloop.rollout.jax_sampler import JaxSamplerEngine
-
-        return JaxSamplerEngine(actor)
-    from jaxloop.rollout.ray_bridge import make_vllm_engine
-
-    return make_vllm_engine(cfg, actor)
 
 
 def loss_hparams(cfg) -> LossHParams:
@@ -155,42 +136,54 @@ def build_learner(cfg, actor: LoopedLM) -> Learner:
 
 
 # ---- the loop ----
-@dataclasses.dataclass
-class Trainer:
-    cfg: object
-
-    def __post_init__(self):
-        cfg = self.cfg
-        self.run_dir = Path(cfg.run_dir).resolve()
-        self.algo = get_algorithm(cfg.algorithm)
-        self.tokenizer = build_tokenizer(cfg)
-        data_cfg = {
+def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
+    return ProducerSettings(
+        seed=cfg.seed,
+        data={
             "source": cfg.data.source,
             "task": cfg.data.task,
             "num_digits": cfg.data.num_digits,
             "seed": cfg.seed,
-        }
-        self.source = make_source(data_cfg)
-        if len(self.source) == 0:
-            raise DataError(f"data source {cfg.data.source!r} is empty")
-        self.eval_examples = make_eval_examples(data_cfg, cfg.eval_prompts)
-        self.reward_fn = get_reward(cfg.data.reward)
-        actor = build_actor(cfg)
-        if self.tokenizer.vocab_size > actor.config.vocab_size:
-            raise UsageError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens, model vocab is "
-                f"{actor.config.vocab_size}"
-            )
-        self.learner = build_learner(cfg, actor)
-        self.engine = build_engine(cfg, actor)
-        self.sampling = SamplingConfig(
+        },
+        tokenizer=cfg.data.tokenizer,
+        vocab_size=cfg.model.vocab_size,
+        reward=cfg.data.reward,
+        prompts_per_update=cfg.prompts_per_update,
+        n_samples_per_prompt=cfg.n_samples_per_prompt,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        eval_prompts=cfg.eval_prompts,
+        requires_groups=requires_groups,
+        sampling=SamplingConfig(
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=(self.tokenizer.eos_id,),
-        )
-        self.eval_sampling = dataclasses.replace(self.sampling, greedy=True)
+        ),
+    )
+
+
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings):
+    """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
+    if cfg.rollout.engine == "jax":
+        from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+
+        return RolloutProducer(settings, JaxSamplerEngine(actor))
+    from jaxloop.rollout.ray_bridge import RayRolloutClient
+
+    return RayRolloutClient(cfg, actor, settings)
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.algo = get_algorithm(cfg.algorithm)
+        actor = build_actor(cfg)
+        settings = producer_settings(cfg, self.algo.requires_groups)
+        if cfg.data.tokenizer == "char" and cfg.model.vocab_size != actor.config.vocab_size:
+            settings = dataclasses.replace(settings, vocab_size=actor.config.vocab_size)
+        self.learner = build_learner(cfg, actor)
+        self.producer = build_producer(cfg, actor, settings)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
         self.start_update, self.version = 0, 0
@@ -199,163 +192,89 @@ class Trainer:
             state = self.checkpointer.restore(step, self.learner)
             self.start_update = int(state["update"])
             self.version = int(state["policy_version"])
-            self.source.restore(state["data_cursor"])
+            self.producer.restore(state["data_cursor"])
         else:
             self.checkpointer.write_configs(self.learner)
             (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
         self.metrics = MetricsWriter(self.run_dir, start_update=self.start_update)
 
-    def encode(self, prompt: str) -> tuple[int, ...]:
-        ids = self.tokenizer.encode_prompt(prompt)
-        if len(ids) > self.cfg.data.max_prompt_tokens:
-            raise UsageError(
-                f"prompt of {len(ids)} tokens is longer than data.max_prompt_tokens="
-                f"{self.cfg.data.max_prompt_tokens}: {prompt[:40]!r}"
-            )
-        return tuple(ids)
-
-    def response_text(self, sample: Sample) -> str:
-        ids = sample.response_ids
-        if sample.finish_reason == "stop":
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids)
-
-    def evaluate(self) -> float:
-        if not self.eval_examples:
-            return float("nan")
-        requests = [
-            PromptRequest(
-                self.encode(ex.prompt),
-                seed=i,
-                group_id=i,
-                sample_index=i,
-                label=ex.label,
-                prompt_text=ex.prompt,
-            )
-            for i, ex in enumerate(self.eval_examples)
-        ]
-        samples = self.engine.generate(requests, self.eval_sampling)
-        return float(np.mean([self.reward_fn(self.response_text(s), s.label) for s in samples]))
-
-    def rollout(self, update: int) -> tuple[list[Sample], dict]:
-        cfg = self.cfg
-        n = cfg.n_samples_per_prompt
-        examples = self.source.next_batch(cfg.prompts_per_update)
-        requests = []
-        for p, ex in enumerate(examples):
-            ids = self.encode(ex.prompt)
-            for j in range(n):
-                index = p * n + j
-                requests.append(
-                    PromptRequest(
-                        ids,
-                        seed=derive_seed(cfg.seed, update, index),
-                        group_id=update * cfg.prompts_per_update + p,
-                        sample_index=index,
-                        label=ex.label,
-                        prompt_text=ex.prompt,
-                    )
-                )
-        samples = self.engine.generate(requests, self.sampling)
-        dropped = 0
-        kept = []
-        for s in samples:
-            s.response_text = self.response_text(s)
-            s.reward = float(self.reward_fn(s.response_text, s.label))
-            if math.isfinite(s.reward):
-                kept.append(s)
-            else:
-                dropped += 1
-        if self.algo.requires_groups:
-            sizes: dict[int, int] = {}
-            for s in kept:
-                sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
-            before = len(kept)
-            kept = [s for s in kept if sizes[s.group_id] >= 2]
-            dropped += before - len(kept)
-        rewards = np.array([s.reward for s in kept], np.float64)
-        lengths = np.array([len(s.response_ids) for s in samples])
+    def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
+        diff = np.abs(np.asarray(old_lp) - arrays.behav_logprobs) * arrays.response_mask
         stats = {
-            "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
-            "response_length": float(lengths.mean()),
-            "dropped_samples": float(dropped),
-            "num_samples": float(len(kept)),
-            "tokens_checksum": float(_tokens_checksum(samples)),
+            "logprob_diff_max": float(diff.max()),
+            "logprob_diff_mean": float(diff.sum() / max(arrays.response_mask.sum(), 1.0)),
         }
-        return kept, stats
+        if stats["logprob_diff_max"] > self.cfg.rollout.max_logprob_diff:
+            raise LogprobMismatchError(
+                f"update {update}: engine vs trainer log-prob difference "
+                f"{stats['logprob_diff_max']:.3g} exceeds rollout.max_logprob_diff="
+                f"{self.cfg.rollout.max_logprob_diff:g}"
+            )
+        return stats
 
     def run(self) -> int:
         cfg = self.cfg
-        self.engine.publish(self.learner.actor_state(), self.version)
+        self.producer.publish(self.learner.actor_state(), self.version)
         last = cfg.total_updates
         stop_at = last if cfg.stop_after <= 0 else min(last, self.start_update + cfg.stop_after)
         bar = progress(
             total=last,
             initial=self.start_update,
-            desc=f"{cfg.algorithm}",
+            desc=cfg.algorithm,
             disable=None if cfg.progress else True,
         )
-        for update in range(self.start_update, stop_at):
-            metrics = {"policy_version": float(self.version)}
-            if update % cfg.eval_every == 0:
-                metrics["eval_reward"] = self.evaluate()
-            t0 = time.perf_counter()
-            samples, stats = self.rollout(update)
-            metrics.update(stats)
-            metrics["time_generate"] = time.perf_counter() - t0
-            if not samples:
-                raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
-            arrays = build_rollout_arrays(samples, [s.reward for s in samples])
-            t1 = time.perf_counter()
-            old_lp = jax.block_until_ready(self.learner.recompute_logprobs(arrays))
-            time_old = time.perf_counter() - t1
-            diff = np.abs(np.asarray(old_lp) - arrays.behav_logprobs) * arrays.response_mask
-            n_tok = max(arrays.response_mask.sum(), 1.0)
-            metrics["logprob_diff_max"] = float(diff.max())
-            metrics["logprob_diff_mean"] = float(diff.sum() / n_tok)
-            if metrics["logprob_diff_max"] > cfg.rollout.max_logprob_diff:
-                raise LogprobMismatchError(
-                    f"update {update}: engine vs trainer log-prob difference "
-                    f"{metrics['logprob_diff_max']:.3g} exceeds rollout.max_logprob_diff="
-                    f"{cfg.rollout.max_logprob_diff:g}"
-                )
-            metrics.update(self.learner.update(arrays, old_lp))
-            metrics["time_old_logprobs"] += time_old
-            t2 = time.perf_counter()
-            self.version += 1
-            self.engine.publish(self.learner.actor_state(), self.version)
-            metrics["time_publish"] = time.perf_counter() - t2
-            elapsed = time.perf_counter() - t0
-            metrics["tokens_per_s"] = float(arrays.response_mask.sum() / max(elapsed, 1e-9))
-            done = update + 1
-            if done == last:
-                metrics["final_eval_reward"] = self.evaluate()
-            self.metrics.write(update, metrics)
-            bar.step(metrics)
-            if done % cfg.checkpoint_every == 0 or done == stop_at:
-                self.checkpointer.save(
-                    done,
-                    self.learner,
-                    {
-                        "update": done,
-                        "policy_version": self.version,
-                        "data_cursor": self.source.state(),
-                        "seed": cfg.seed,
-                    },
-                )
-        bar.close()
-        self.metrics.close()
-        self.checkpointer.close()
-        self.engine.close()
+        try:
+            for update in range(self.start_update, stop_at):
+                self.one_update(update, last, bar)
+                done = update + 1
+                if done % cfg.checkpoint_every == 0 or done == stop_at:
+                    self.checkpointer.save(
+                        done,
+                        self.learner,
+                        {
+                            "update": done,
+                            "policy_version": self.version,
+                            "data_cursor": self.producer.state(),
+                            "seed": cfg.seed,
+                        },
+                    )
+        finally:
+            bar.close()
+            self.metrics.close()
+            self.checkpointer.close()
+            self.producer.close()
         return 0
 
-
-def _tokens_checksum(samples: list[Sample]) -> int:
-    h = hashlib.sha256()
-    for s in samples:
-        h.update(np.asarray(s.response_ids, np.int64).tobytes() + b"|")
-    return int.from_bytes(h.digest()[:6], "little")
+    def one_update(self, update: int, last: int, bar) -> None:
+        cfg = self.cfg
+        metrics = {"policy_version": float(self.version)}
+        if update % cfg.eval_every == 0:
+            metrics["eval_reward"] = self.producer.evaluate()
+        t0 = time.perf_counter()
+        samples, stats = self.producer.produce(update)
+        metrics.update(stats)
+        metrics["time_generate"] = time.perf_counter() - t0
+        if not samples:
+            raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
+        arrays = build_rollout_arrays(samples, [s.reward for s in samples])
+        t1 = time.perf_counter()
+        old_lp = jax.block_until_ready(self.learner.recompute_logprobs(arrays))
+        time_old = time.perf_counter() - t1
+        metrics.update(self.check_logprobs(update, arrays, old_lp))
+        metrics.update(self.learner.update(arrays, old_lp))
+        metrics["time_old_logprobs"] += time_old
+        t2 = time.perf_counter()
+        self.version += 1
+        publish = self.producer.publish(self.learner.actor_state(), self.version)
+        metrics["time_publish"] = time.perf_counter() - t2
+        metrics["publish_gb_per_s"] = float(publish.gb_per_s)
+        metrics["tokens_per_s"] = float(
+            arrays.response_mask.sum() / max(time.perf_counter() - t0, 1e-9)
+        )
+        if update + 1 == last:
+            metrics["final_eval_reward"] = self.producer.evaluate()
+        self.metrics.write(update, metrics)
+        bar.step(metrics)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,9 @@ TINY = [
     "--config.keep_checkpoints=5",
     "--config.total_updates=3",
     "--config.progress=false",
+    "--config.data.reward=tests.train.rewards:char_code_reward",
 ]
-VOLATILE = ("time_", "tokens_per_s")
+VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
 
 
 def _train(run_dir, algorithm, *extra, env):

@@ -1,0 +1,167 @@
+"""Turns prompts into scored samples for one update: data cursor, per-sample seeds, engine calls,
+rewards, NaN dropping and group completeness. The same object runs in the trainer process
+(embedded engine) or inside the Ray RolloutManager actor (vLLM engines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxloop.data.datasets import DataError, make_eval_examples, make_source
+from jaxloop.data.rewards import get_reward
+from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
+from jaxloop.rollout.types import PromptRequest, Sample, SamplingConfig
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit in data.max_prompt_tokens."""
+
+
+def derive_seed(*parts: int) -> int:
+    """A per-sample seed from (config seed, update, sample index): no global RNG state."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerSettings:
+    """Everything a producer needs, as plain values (it crosses process boundaries)."""
+
+    seed: int
+    data: dict[str, Any]  # source, task, num_digits, seed
+    tokenizer: str  # 'char' or a local HF tokenizer dir
+    vocab_size: int
+    reward: str
+    prompts_per_update: int
+    n_samples_per_prompt: int
+    max_prompt_tokens: int
+    eval_prompts: int
+    requires_groups: bool
+    sampling: SamplingConfig
+
+
+def build_tokenizer(spec: str, vocab_size: int):
+    return CharTokenizer(vocab_size=vocab_size) if spec == "char" else HFTokenizer(spec)
+
+
+def tokens_checksum(samples: list[Sample]) -> int:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(np.asarray(s.response_ids, np.int64).tobytes() + b"|")
+    return int.from_bytes(h.digest()[:6], "little")
+
+
+class RolloutProducer:
+    def __init__(self, settings: ProducerSettings, engine):
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
+        self.source = make_source(settings.data)
+        if len(self.source) == 0:
+            raise DataError(f"data source {settings.data.get('source')!r} is empty")
+        self.eval_examples = make_eval_examples(settings.data, settings.eval_prompts)
+        self.reward_fn = get_reward(settings.reward)
+        self.sampling = dataclasses.replace(
+            settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
+        )
+        self.eval_sampling = dataclasses.replace(self.sampling, greedy=True)
+
+    # ---- engine pass-through ----
+    def publish(self, policy, version: int):
+        return self.engine.publish(policy, version)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ---- data cursor ----
+    def state(self) -> dict:
+        return self.source.state()
+
+    def restore(self, state: dict) -> None:
+        self.source.restore(state)
+
+    # ---- samples ----
+    def encode(self, prompt: str) -> tuple[int, ...]:
+        ids = self.tokenizer.encode_prompt(prompt)
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens is longer than data.max_prompt_tokens="
+                f"{self.settings.max_prompt_tokens}: {prompt[:40]!r}"
+            )
+        return tuple(ids)
+
+    def response_text(self, sample: Sample) -> str:
+        ids = sample.response_ids[:-1] if sample.finish_reason == "stop" else sample.response_ids
+        return self.tokenizer.decode(ids)
+
+    def evaluate(self) -> float:
+        """Mean reward of greedy responses to the held-out prompts (NaN when there are none)."""
+        if not self.eval_examples:
+            return float("nan")
+        requests = [
+            PromptRequest(
+                self.encode(ex.prompt),
+                seed=i,
+                group_id=i,
+                sample_index=i,
+                label=ex.label,
+                prompt_text=ex.prompt,
+            )
+            for i, ex in enumerate(self.eval_examples)
+        ]
+        samples = self.engine.generate(requests, self.eval_sampling)
+        return float(np.mean([self.reward_fn(self.response_text(s), s.label) for s in samples]))
+
+    def requests(self, update: int) -> list[PromptRequest]:
+        s = self.settings
+        n = s.n_samples_per_prompt
+        out = []
+        for p, ex in enumerate(self.source.next_batch(s.prompts_per_update)):
+            ids = self.encode(ex.prompt)
+            for j in range(n):
+                index = p * n + j
+                out.append(
+                    PromptRequest(
+                        ids,
+                        seed=derive_seed(s.seed, update, index),
+                        group_id=update * s.prompts_per_update + p,
+                        sample_index=index,
+                        label=ex.label,
+                        prompt_text=ex.prompt,
+                    )
+                )
+        return out
+
+    def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
+        """Samples of one update with rewards attached; non-finite rewards are dropped and
+        counted (and, for group algorithms, groups left with fewer than 2 samples)."""
+        samples = self.engine.generate(self.requests(update), self.sampling)
+        kept, dropped = [], 0
+        for sample in samples:
+            sample.response_text = self.response_text(sample)
+            sample.reward = float(self.reward_fn(sample.response_text, sample.label))
+            if math.isfinite(sample.reward):
+                kept.append(sample)
+            else:
+                dropped += 1
+        if self.settings.requires_groups:
+            sizes: dict[int, int] = {}
+            for sample in kept:
+                sizes[sample.group_id] = sizes.get(sample.group_id, 0) + 1
+            complete = [x for x in kept if sizes[x.group_id] >= 2]
+            dropped += len(kept) - len(complete)
+            kept = complete
+        rewards = np.array([x.reward for x in kept], np.float64)
+        stats = {
+            "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
+            "response_length": float(np.mean([len(x.response_ids) for x in samples])),
+            "dropped_samples": float(dropped),
+            "num_samples": float(len(kept)),
+            "tokens_checksum": float(tokens_checksum(samples)),
+        }
+        stats.update(getattr(self.engine, "stats", lambda: {})())
+        return kept, stats
