@@ -21,6 +21,11 @@ class UsageError(ValueError):
     """Bad command line or config: reported as one line on stderr with exit code 2."""
 
 
+# Embedded JAX sampler: same model and numerics as the trainer. vLLM: the bound used by the
+# reference PyTorch stack (different kernels, bf16 on GPU).
+DEFAULT_LOGPROB_DIFF = {"jax": 1e-3, "vllm": 0.03}
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every key jaxloop reads, with defaults: a tiny looped Nanbeige-family model from random
     init, the built-in task and the embedded sampler on CPU."""
@@ -72,7 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 1  # built-in task answers are one character
-    c.rollout.max_logprob_diff = 1e-3
+    # engine vs trainer selected log-prob bound; 0 = the engine's default (DEFAULT_LOGPROB_DIFF)
+    c.rollout.max_logprob_diff = 0.0
     c.rollout.num_engines = 1
     c.rollout.ray_address = ""
     c.rollout.publish_bucket_mb = 64

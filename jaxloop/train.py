@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxloop.checkpoint import TrainCheckpointer
-from jaxloop.config import UsageError, parse_args
+from jaxloop.config import DEFAULT_LOGPROB_DIFF, UsageError, parse_args
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.metrics import MetricsWriter, progress
@@ -204,11 +204,11 @@ class Trainer:
             "logprob_diff_max": float(diff.max()),
             "logprob_diff_mean": float(diff.sum() / max(arrays.response_mask.sum(), 1.0)),
         }
-        if stats["logprob_diff_max"] > self.cfg.rollout.max_logprob_diff:
+        bound = self.cfg.rollout.max_logprob_diff or DEFAULT_LOGPROB_DIFF[self.cfg.rollout.engine]
+        if stats["logprob_diff_max"] > bound:
             raise LogprobMismatchError(
                 f"update {update}: engine vs trainer log-prob difference "
-                f"{stats['logprob_diff_max']:.3g} exceeds rollout.max_logprob_diff="
-                f"{self.cfg.rollout.max_logprob_diff:g}"
+                f"{stats['logprob_diff_max']:.3g} exceeds rollout.max_logprob_diff={bound:g}"
             )
         return stats
 
