@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["CHAR_ALPHABET", "CharTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError"]
+__all__ = [
+    "CHAR_ALPHABET",
+    "UNUSED_CHAR",
+    "CharTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "TokenizerError",
+]
 
 
 class TokenizerError(ValueError):

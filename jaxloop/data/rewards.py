@@ -1,0 +1,78 @@
+"""Verifiable rewards: `fn(response_text, label) -> float`, looked up by name.
+
+- 'exact_match':  1.0 iff response.strip() == label.strip().
+- 'prefix_match': 1.0 iff response.strip() starts with label.strip() (non-empty label); a lenient
+  reward for policies that have not learned to stop yet.
+- 'math_verify':  1.0 iff math_verify.verify(parse(label), parse(response)); never raises (0.0 on a
+  parse/verify failure). A label math-verify cannot parse (e.g. "yes") falls back to exact_match.
+
+`get_reward(name)` also accepts "package.module:function" for a user reward function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+
+__all__ = ["REWARDS", "RewardFn", "get_reward", "register_reward"]
+
+RewardFn = Callable[[str, str], float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARDS and REWARDS[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_reward(name: str) -> RewardFn:
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import reward function {name!r}: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        return fn
+    raise ValueError(
+        f"unknown reward {name!r}; choose one of {sorted(REWARDS)} or give 'module:function'"
+    )
+
+
+@register_reward("exact_match")
+def exact_match(response: str, label: str) -> float:
+    return 1.0 if response.strip() == label.strip() else 0.0
+
+
+@register_reward("prefix_match")
+def prefix_match(response: str, label: str) -> float:
+    label = label.strip()
+    return 1.0 if label and response.strip().startswith(label) else 0.0
+
+
+@register_reward("math_verify")
+def math_verify_reward(response: str, label: str) -> float:
+    try:
+        from math_verify import parse, verify
+
+        # math-verify's timeouts use signal.alarm, which only works in the main thread.
+        main = threading.current_thread() is threading.main_thread()
+        ptimeout = 5 if main else None
+        gold = parse(label, parsing_timeout=ptimeout)
+        if not gold:
+            return exact_match(response, label)
+        pred = parse(response, parsing_timeout=ptimeout)
+        if not pred:
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
+    except Exception:  # noqa: BLE001 - a reward must never crash the run
+        return 0.0

@@ -1,0 +1,213 @@
+"""Run metrics: one JSON line per update in <run_dir>/metrics.jsonl, TensorBoard scalars in
+<run_dir>/tb/, and a tqdm progress bar.
+
+`MetricsWriter(run_dir, start_update)` first drops every line with update >= start_update from an
+existing metrics.jsonl (atomically), so a resumed run never has duplicate lines; TensorBoard gets
+`purge_step=start_update` for the same reason. NaN / inf values are written as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+__all__ = [
+    "METRICS_FILE",
+    "PROGRESS_KEYS",
+    "MetricsProgress",
+    "MetricsWriter",
+    "progress",
+    "read_metrics",
+]
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+PROGRESS_KEYS = ("reward_mean", "eval_reward")
+
+
+def _to_float(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        x = float(value)  # python / numpy / 0-d jax scalars
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {key!r} is not a number: {value!r}") from None
+    return x if math.isfinite(x) else None
+
+
+def _read_lines(path: Path) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if isinstance(row, dict) and isinstance(row.get("update"), int):
+                out.append(row)
+    return out
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of <run_dir>/metrics.jsonl (null metrics as None); FileNotFoundError if absent.
+
+    Blank or truncated lines are skipped.
+    """
+    return _read_lines(Path(run_dir) / METRICS_FILE)
+
+
+class MetricsWriter:
+    """`write(update, metrics)` appends {"update": update, **metrics} and logs TB scalars."""
+
+    def __init__(self, run_dir: str | os.PathLike, start_update: int = 0, *, tensorboard=True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.start_update = int(start_update)
+        if self.path.exists():
+            self._truncate(self.start_update)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(
+                logdir=str(self.run_dir / TB_DIR),
+                purge_step=self.start_update if self.start_update > 0 else None,
+                flush_secs=30,
+                # tensorboardX names files by the second; a resume within the same second would
+                # otherwise overwrite the previous event file.
+                filename_suffix=f".{os.getpid()}.{time.time_ns()}",
+            )
+
+    def _truncate(self, start_update: int) -> None:
+        rows = [r for r in _read_lines(self.path) if r["update"] < start_update]
+        tmp = self.path.with_name(f".{METRICS_FILE}.tmp.{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def write(self, update: int, metrics: Mapping[str, Any]) -> dict:
+        """Log one update; returns the row written."""
+        if self._file is None:
+            raise RuntimeError("MetricsWriter is closed")
+        row: dict[str, Any] = {"update": int(update)}
+        for key, value in metrics.items():
+            if key == "update":
+                continue
+            row[str(key)] = _to_float(key, value)
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "update" and value is not None:
+                    self._tb.add_scalar(key, value, global_step=row["update"])
+        return row
+
+    log = write
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MetricsProgress(tqdm):
+    """A tqdm bar with `step(metrics)`; when the bar is disabled (not a TTY) `close()` still
+    prints one summary line, so CI logs show where the run ended."""
+
+    def __init__(self, *args, keys: Iterable[str] = PROGRESS_KEYS, **kwargs):
+        self._keys = tuple(keys)
+        self._last: dict[str, float] = {}
+        self._count = int(kwargs.get("initial", 0) or 0)
+        self._t0 = time.perf_counter()
+        self._summary_file = kwargs.get("file") or sys.stderr
+        self._summary_done = False
+        self._desc = kwargs.get("desc") or "progress"
+        super().__init__(*args, **kwargs)
+
+    def step(self, metrics: Mapping[str, Any] | None = None, n: int = 1) -> None:
+        """Advance by `n` updates and show the latest values of the tracked metrics."""
+        if metrics:
+            for k in self._keys:
+                if k in metrics:
+                    v = _to_float(k, metrics[k])
+                    if v is not None:
+                        self._last[k] = v
+            if self._last:
+                self.set_postfix({k: f"{v:.4g}" for k, v in self._last.items()}, refresh=False)
+        self.update(n)
+
+    def update(self, n=1):
+        self._count += n
+        return super().update(n)
+
+    def summary(self) -> str:
+        total = "?" if self.total is None else self.total
+        parts = [f"{self._desc}: {self._count}/{total}"]
+        parts += [f"{k}={v:.4g}" for k, v in self._last.items()]
+        parts.append(f"{time.perf_counter() - self._t0:.1f}s")
+        return " ".join(parts)
+
+    def close(self):
+        if self.disable and not self._summary_done and hasattr(self, "_count"):
+            self._summary_done = True
+            try:
+                print(self.summary(), file=self._summary_file, flush=True)
+            except (OSError, ValueError):  # stream closed (interpreter shutdown)
+                pass
+        return super().close()
+
+
+def progress(
+    total: int | None,
+    initial: int = 0,
+    desc: str = "train",
+    *,
+    keys: Iterable[str] = PROGRESS_KEYS,
+    file=None,
+    disable: bool | None = None,
+) -> MetricsProgress:
+    """A progress bar over updates; `bar.step(metrics)` per update, `bar.close()` at the end.
+
+    `disable=None` hides the bar when `file` (stderr) is not a TTY; a summary line is then
+    printed on close.
+    """
+    return MetricsProgress(
+        total=total,
+        initial=initial,
+        desc=desc,
+        keys=keys,
+        file=file,
+        disable=disable,
+        dynamic_ncols=True,
+        unit="upd",
+    )
