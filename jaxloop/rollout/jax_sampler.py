@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import expand, to_param
+from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
 from jaxloop.models.looped import LoopedLM
 from jaxloop.rollout.engine import NotPublishedError, PublicationError
@@ -150,9 +150,12 @@ class JaxSamplerEngine:
                 raise PublicationError(f"unknown tensor {name}")
             full = tuple(flat[t.path].shape)
             slice_shape = full[1:] if t.layer is not None else full
+            want = hf_shape(t.layout, slice_shape)
+            if tuple(np.shape(arr)) != want:
+                raise PublicationError(
+                    f"tensor {name} has shape {tuple(np.shape(arr))}, expected {want}"
+                )
             value = to_param(np.asarray(arr), t.layout, slice_shape)
-            if value.shape != slice_shape:
-                raise PublicationError(f"tensor {name} has the wrong shape {np.shape(arr)}")
             buf = buffers.setdefault(t.path, np.empty(full, flat[t.path][...].dtype))
             if t.layer is None:
                 buf[...] = value
