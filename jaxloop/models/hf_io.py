@@ -196,7 +196,9 @@ def _materialise(model: LoopedLM, buffers: dict) -> LoopedLM:
     flat = dict(nnx.to_flat_state(state))
     for path in list(buffers):
         var = flat[path]
-        var.value = jnp.asarray(buffers.pop(path))
+        # Block before the next copy: the copy is asynchronous and keeps its host buffer alive
+        # until done, so without it all host buffers and all copies coexist (2x the model).
+        var.value = jnp.asarray(buffers.pop(path)).block_until_ready()
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
