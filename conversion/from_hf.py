@@ -1,0 +1,69 @@
+"""HF checkpoint -> jaxloop run dir (orbax step 0, ready to train from).
+
+    python -m conversion.from_hf --hf-dir DIR --out CKPT [--dtype auto|bfloat16|float32]
+
+--dtype auto (default) keeps the checkpoint's dtype, so a bf16 model converts in about 1x its size
+of RAM plus one tensor. Writes into a temporary directory beside CKPT and renames it at the end:
+an error leaves nothing behind (one "error: ..." line on stderr, exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from conversion._cli import OneLineParser, check_out_dir, run
+
+
+def parse_args(argv: Sequence[str] | None):
+    p = OneLineParser(prog="python -m conversion.from_hf", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--hf-dir", required=True, type=Path, help="HF model dir (config.json, *.safetensors)"
+    )
+    p.add_argument("--out", required=True, type=Path, help="run dir to create (new or empty)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    return p.parse_args(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out.absolute()
+    check_out_dir(out)
+
+    from jaxloop.models import load_hf
+    from jaxloop.models.hf_io import count_params
+    from jaxloop.models.orbax_io import save_model
+
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model = load_hf(args.hf_dir, dtype=None if args.dtype == "auto" else args.dtype)
+        save_model(tmp, model, step=0, tokenizer_dir=args.hf_dir, donate=True)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    cfg = model.config
+    print(
+        f"wrote {out}: {cfg.family} {model.role}, {count_params(model):,} parameters in "
+        f"{cfg.param_dtype}, step 0"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

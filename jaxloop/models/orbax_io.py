@@ -1,0 +1,249 @@
+"""Model weights in an orbax run directory (the layout shared with the trainer).
+
+    run_dir/
+      checkpoints/            ocp.CheckpointManager; each step is a composite of items
+        <step>/actor_params   ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        <step>/critic_params  (same, for the critic)
+        <step>/...            other items (optimizer state, train state) written by the trainer
+      actor_config.json       LoopedConfig.to_hf_dict()
+      critic_config.json      the same plus "jaxloop_role": "critic"
+      tokenizer/              tokenizer files, if any
+
+`restore_model` restores only the `{role}_params` item, so it works whatever else a step holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxloop.models.config import LoopedConfig
+from jaxloop.models.hf_io import ROLE_KEY, abstract_model, copy_tokenizer_files
+from jaxloop.models.looped import ROLES, LoopedLM
+
+CHECKPOINT_DIR = "checkpoints"
+TOKENIZER_DIR = "tokenizer"
+
+
+class RunDirError(ValueError):
+    """A run directory is missing, holds no checkpoint, or lacks the asked-for role or step."""
+
+
+def params_item(role: str) -> str:
+    """Name of the composite item holding a role's weights."""
+    _check_role(role)
+    return f"{role}_params"
+
+
+def config_file(role: str) -> str:
+    """File name (inside the run dir) of a role's HF config dict."""
+    _check_role(role)
+    return f"{role}_config.json"
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise RunDirError(f"role={role!r}; expected one of {ROLES}")
+
+
+# ---- save --------------------------------------------------------------------------------------
+def save_model(
+    run_dir: str | Path,
+    model: LoopedLM,
+    step: int = 0,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    donate: bool = False,
+) -> Path:
+    """Write `{role}_config.json` and the `{role}_params` item at `step` (a new step).
+
+    tokenizer_dir: a directory whose tokenizer files (hf_io.TOKENIZER_FILES) are copied into
+    run_dir/tokenizer/ (not created when it holds none).
+    donate: move the parameters to host memory one at a time, deleting each device array, and
+    write them without orbax's defensive host copy: peak memory is the model plus one parameter
+    instead of about twice the model. The model is unusable afterwards (for conversions).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    role = model.role
+    hf = model.config.to_hf_dict()
+    if role == "critic":
+        hf[ROLE_KEY] = "critic"
+    else:
+        hf.pop(ROLE_KEY, None)
+    (run_dir / config_file(role)).write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        tok = run_dir / TOKENIZER_DIR
+        tok.mkdir(exist_ok=True)
+        if not copy_tokenizer_files(tokenizer_dir, tok) and not any(tok.iterdir()):
+            tok.rmdir()
+    item = params_item(role)
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    registry = None
+    if donate:
+        pure = jax.tree.map(_to_host_and_delete, pure)
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add(item, ocp.args.StandardSave, _HostArrayStandardHandler())
+    with ocp.CheckpointManager(run_dir / CHECKPOINT_DIR, handler_registry=registry) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.StandardSave(pure)}))
+        mngr.wait_until_finished()
+    return run_dir
+
+
+def _to_host_and_delete(x: jax.Array) -> np.ndarray:
+    host = np.asarray(x)  # zero-copy for CPU arrays; one parameter's copy otherwise
+    x.delete()
+    return host
+
+
+class _HostArrayStandardHandler(ocp.StandardCheckpointHandler):
+    """StandardCheckpointHandler (same files, read back by StandardRestore) for numpy arrays
+    nobody mutates meanwhile: no defensive deep copy, no compression (bf16/fp32 weights hardly
+    compress, and compressing whole-array chunks buffers another copy of each array)."""
+
+    def __init__(self):
+        super().__init__()
+        th = ocp.type_handlers
+        types = th.create_type_handler_registry(
+            (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+            (jax.Array, th.get_type_handler(jax.Array)),
+        )
+        # The parent builds the same PyTreeCheckpointHandler with the default registry.
+        self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=types, use_compression=False)
+
+
+# ---- restore -----------------------------------------------------------------------------------
+def _checkpoint_dir(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"run dir {run_dir} does not exist")
+    ckpt = run_dir / CHECKPOINT_DIR
+    if not ckpt.is_dir():
+        raise RunDirError(f"{run_dir} has no {CHECKPOINT_DIR}/ directory")
+    return ckpt
+
+
+def _open(ckpt: Path, registry=None) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(create=False)
+    return ocp.CheckpointManager(ckpt, options=options, handler_registry=registry)
+
+
+def latest_step(run_dir: str | Path) -> int | None:
+    """The newest finished step in the run dir, or None when it holds none."""
+    with _open(_checkpoint_dir(run_dir)) as mngr:
+        return mngr.latest_step()
+
+
+def read_config(run_dir: str | Path, role: str = "actor") -> LoopedConfig:
+    """The LoopedConfig stored for `role` (default numerics: float32, no remat)."""
+    path = Path(run_dir) / config_file(role)
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} has no {role} model ({path.name} missing)")
+    hf = json.loads(path.read_text())
+    stored_role = hf.get(ROLE_KEY, "actor")
+    if stored_role != role:
+        raise RunDirError(f"{path} describes a {stored_role}, not a {role}")
+    return LoopedConfig.from_hf_dict(hf)
+
+
+class _DropUnrestorableItemWarnings(logging.Filter):
+    # Orbax warns about every item it has no handler for (the trainer's optimizer state...):
+    # expected here, since only `{role}_params` is read.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not be restored" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_other_items():
+    logger = logging.getLogger("absl")
+    flt = _DropUnrestorableItemWarnings()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
+def restore_model(
+    run_dir: str | Path,
+    role: str = "actor",
+    step: int | None = None,
+    dtype: str | None = None,
+    compute_dtype: str | None = None,
+    sharding: jax.sharding.Sharding | None = None,
+    **config_overrides,
+) -> LoopedLM:
+    """Restore the `{role}_params` item of `step` (default: latest) as a LoopedLM.
+
+    dtype: parameter dtype (None keeps the stored one; otherwise orbax casts while reading).
+    compute_dtype defaults to the parameter dtype. sharding: where every parameter goes
+    (default: the first local device). config_overrides go to LoopedConfig.replace
+    (remat, attention_impl...).
+    """
+    item = params_item(role)
+    ckpt = _checkpoint_dir(run_dir)
+    cfg = read_config(run_dir, role)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+    with _open(ckpt, registry) as mngr, _quiet_other_items():
+        steps = mngr.all_steps()
+        if not steps:
+            raise RunDirError(f"{ckpt} holds no checkpoint")
+        if step is None:
+            step = mngr.latest_step()
+        elif step not in steps:
+            raise RunDirError(f"{ckpt} has no step {step} (steps: {sorted(steps)})")
+        metadata = mngr.item_metadata(step)
+        if metadata.get(item) is None:
+            items = sorted(metadata.keys())
+            raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
+        stored = metadata[item].tree
+        param_dtype = dtype or str(jnp.dtype(stored["embed"].dtype))
+        cfg = cfg.replace(
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype or param_dtype,
+            **config_overrides,
+        )
+        graphdef, params, rest = nnx.split(abstract_model(cfg, role), nnx.Param, ...)
+        shapes = nnx.to_pure_dict(params)
+        _check_shapes(shapes, stored, item)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(
+                x.shape, s.dtype if dtype is None else x.dtype, sharding=sharding
+            ),
+            shapes,
+            stored,
+        )
+        restored = mngr.restore(
+            step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
+        )[item]
+    nnx.replace_by_pure_dict(params, restored)
+    return nnx.merge(graphdef, params, rest)
+
+
+def _check_shapes(want: dict, stored: dict, item: str) -> None:
+    """Same parameter names and shapes as the config asks for, else a one-line RunDirError."""
+    want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+    have = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+    name = lambda path: jax.tree_util.keystr(path, simple=True, separator=".")
+    for path in have:
+        if path not in want:
+            raise RunDirError(f"{item} has unexpected parameter {name(path)}")
+    for path, leaf in want.items():
+        if path not in have:
+            raise RunDirError(f"{item} has no parameter {name(path)}")
+        if tuple(have[path].shape) != tuple(leaf.shape):
+            raise RunDirError(
+                f"{item} parameter {name(path)} has shape {tuple(have[path].shape)}, "
+                f"expected {tuple(leaf.shape)} from the config"
+            )

@@ -1,0 +1,451 @@
+"""Orbax model checkpoints (jaxloop.models.orbax_io) and the conversion CLIs.
+
+HF -> from_hf -> to_hf -> HF must give back the same tensors byte for byte (names, shapes,
+dtypes, bytes, read with hf_io.read_safetensors), and the orbax run dir must restore to a model
+whose outputs equal those of the model loaded straight from HF. Bad inputs: exit code 2, one
+"error: ..." line on stderr naming the problem, and no output directory left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from conversion import from_hf, to_hf
+from jaxloop.models import LoopedConfig, LoopedLM, load_hf, tiny_hf_config
+from jaxloop.models.hf_io import (
+    INDEX_FILE,
+    abstract_model,
+    hf_tensor_shapes,
+    read_safetensors,
+    write_safetensors,
+)
+from jaxloop.models.orbax_io import (
+    CHECKPOINT_DIR,
+    TOKENIZER_DIR,
+    RunDirError,
+    config_file,
+    latest_step,
+    params_item,
+    restore_model,
+    save_model,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+if not Path(PYTHON).exists():
+    PYTHON = sys.executable
+NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+TOKENIZER = {
+    "tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": 0}}}',
+    "tokenizer_config.json": '{"chat_template": "{{ messages }}"}',
+}
+IDS = np.array([[3, 17, 5, 60, 2, 9, 33, 1], [8, 8, 41, 0, 12, 63, 7, 4]], np.int32)
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+def write_hf_dir(
+    path: Path, family: str, role: str, dtype: str, seed: int = 0, n_shards: int = 3, **hf
+) -> dict[str, np.ndarray]:
+    """An HF checkpoint written directly with write_safetensors (random values for every tensor,
+    norms included), split over `n_shards` files with an index, plus tokenizer files."""
+    path.mkdir(parents=True)
+    config = tiny_hf_config(family, torch_dtype=dtype, **hf)
+    if role == "critic":
+        config["jaxloop_role"] = "critic"
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = hf_tensor_shapes(LoopedConfig.from_hf_dict(config), role)
+    rng = np.random.default_rng(seed)
+    tensors = {
+        name: rng.normal(0.0, 0.5, shape).astype(NP_DTYPES[dtype]) for name, shape in shapes.items()
+    }
+    names = list(tensors)
+    groups = [names[i::n_shards] for i in range(n_shards)]
+    files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    for file, group in zip(files, groups, strict=True):
+        write_safetensors(path / file, {n: tensors[n] for n in group})
+    weight_map = {n: f for f, group in zip(files, groups, strict=True) for n in group}
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name, text in TOKENIZER.items():
+        (path / name).write_text(text)
+    return tensors
+
+
+def read_hf_tensors(path: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        for name, arr in read_safetensors(file):
+            assert name not in out, f"{name} appears twice"
+            out[name] = np.array(arr)
+    return out
+
+
+def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype, name
+        assert got[name].shape == arr.shape, name
+        assert got[name].tobytes() == arr.tobytes(), name
+
+
+@nnx.jit
+def _forward(model: LoopedLM, ids: jax.Array) -> jax.Array:
+    return model(ids)
+
+
+def outputs(model: LoopedLM) -> np.ndarray:
+    """Logits (actor) or values (critic), float32, from one jitted forward (cached per config)."""
+    return np.asarray(_forward(model, jnp.asarray(IDS)))
+
+
+def only_entries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir())
+
+
+# ---- round trip ------------------------------------------------------------------------------
+CASES = [
+    ("nanbeige", "actor", "bfloat16"),
+    ("ouro", "actor", "float32"),
+    ("nanbeige", "critic", "float32"),
+    ("ouro", "critic", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("family,role,dtype", CASES)
+def test_round_trip_is_bit_exact(tmp_path, capsys, family, role, dtype):
+    hf_in, run, hf_out = tmp_path / "hf_in", tmp_path / "run", tmp_path / "hf_out"
+    tensors = write_hf_dir(hf_in, family, role, dtype)
+
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(run)]) == 0
+    assert sorted(only_entries(run)) == sorted([CHECKPOINT_DIR, config_file(role), TOKENIZER_DIR])
+    assert (run / CHECKPOINT_DIR / "0" / params_item(role)).is_dir()
+    assert latest_step(run) == 0
+    for name, text in TOKENIZER.items():
+        assert (run / TOKENIZER_DIR / name).read_text() == text
+    # no temp dir left beside the output
+    assert only_entries(tmp_path) == ["hf_in", "run"]
+
+    # the run dir restores to the same model, dtype kept (auto never upcasts)
+    restored = restore_model(run, role=role)
+    reference = load_hf(hf_in, dtype=None)
+    assert restored.role == role and restored.config.param_dtype == dtype
+    assert restored.embed[...].dtype == jnp.dtype(dtype)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(restored, nnx.Param)),
+        jax.tree.leaves(nnx.state(reference, nnx.Param)),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(outputs(restored), outputs(reference))
+
+    argv = ["--checkpoint", str(run), "--out", str(hf_out), "--role", role]
+    assert to_hf.main([*argv, "--max-shard-size", "20KB"]) == 0
+    assert len(list(hf_out.glob("*.safetensors"))) > 1
+    weight_map = json.loads((hf_out / INDEX_FILE).read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(tensors)
+    assert_same_tensors(read_hf_tensors(hf_out), tensors)
+    assert json.loads((hf_out / "config.json").read_text()) == json.loads(
+        (hf_in / "config.json").read_text()
+    )
+    for name, text in TOKENIZER.items():
+        assert (hf_out / name).read_text() == text
+    out = capsys.readouterr()
+    assert out.err == ""
+    assert f"{family} {role}" in out.out
+
+
+def test_dtype_changes_are_exact_casts(tmp_path):
+    """bf16 HF -> from_hf --dtype float32 (exact upcast) -> to_hf --dtype bfloat16 == input."""
+    hf_in, run = tmp_path / "hf_in", tmp_path / "run"
+    tensors = write_hf_dir(hf_in, "ouro", "actor", "bfloat16", seed=1)
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(run), "--dtype", "float32"]) == 0
+    model = restore_model(run)
+    assert model.config.param_dtype == "float32"
+    assert model.embed[...].dtype == jnp.float32
+    assert np.array_equal(
+        np.asarray(model.embed[...]), tensors["model.embed_tokens.weight"].astype(np.float32)
+    )
+    assert to_hf.main(["--checkpoint", str(run), "--out", str(tmp_path / "f32")]) == 0
+    f32 = read_hf_tensors(tmp_path / "f32")
+    assert_same_tensors(f32, {n: t.astype(np.float32) for n, t in tensors.items()})
+    argv = ["--checkpoint", str(run), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]
+    assert to_hf.main(argv) == 0
+    assert_same_tensors(read_hf_tensors(tmp_path / "bf16"), tensors)
+    # restore_model casts while reading: a float32 run read back as bf16
+    bf16 = restore_model(run, dtype="bfloat16")
+    assert bf16.config.param_dtype == bf16.config.compute_dtype == "bfloat16"
+    assert np.asarray(bf16.embed[...]).tobytes() == tensors["model.embed_tokens.weight"].tobytes()
+
+
+# ---- orbax_io --------------------------------------------------------------------------------
+def _model(family: str, role: str, seed: int, dtype: str = "float32") -> LoopedLM:
+    """A tiny model with random values in every parameter (numpy: no per-shape compiles)."""
+    cfg = LoopedConfig.from_hf_dict(tiny_hf_config(family))
+    cfg = cfg.replace(param_dtype=dtype, compute_dtype=dtype)
+    graphdef, params, rest = nnx.split(abstract_model(cfg, role), nnx.Param, ...)
+    rng = np.random.default_rng(seed)
+    values = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(0.0, 0.5, x.shape).astype(x.dtype)),
+        nnx.to_pure_dict(params),
+    )
+    nnx.replace_by_pure_dict(params, values)
+    return nnx.merge(graphdef, params, rest)
+
+
+def _pure(model: LoopedLM) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_restore_reads_only_the_params_item_among_trainer_items(tmp_path):
+    """A step written like the trainer writes it (params + opt state + train state, several
+    steps) restores one role's params alone, at the latest or a chosen step."""
+    actor0, actor5 = _model("nanbeige", "actor", 0), _model("nanbeige", "actor", 5)
+    critic5 = _model("nanbeige", "critic", 6)
+    run = tmp_path / "run"
+    save_model(run, actor0, step=0)
+    save_model(run, critic5, step=1)  # writes critic_config.json (a critic-only step)
+    opt = {"mu": jnp.ones((3, 4)), "count": jnp.array(7, jnp.int32)}
+    with ocp.CheckpointManager(run / CHECKPOINT_DIR) as mngr:
+        items = {
+            "actor_params": ocp.args.StandardSave(_pure(actor5)),
+            "actor_opt": ocp.args.StandardSave(opt),
+            "critic_params": ocp.args.StandardSave(_pure(critic5)),
+            "critic_opt": ocp.args.StandardSave(opt),
+            "train_state": ocp.args.JsonSave({"update": 5}),
+        }
+        mngr.save(5, args=ocp.args.Composite(**items))
+        mngr.wait_until_finished()
+    assert latest_step(run) == 5
+
+    cfg_json = json.loads((run / config_file("critic")).read_text())
+    assert cfg_json["jaxloop_role"] == "critic"
+    assert "jaxloop_role" not in json.loads((run / config_file("actor")).read_text())
+
+    np.testing.assert_array_equal(outputs(restore_model(run)), outputs(actor5))
+    np.testing.assert_array_equal(outputs(restore_model(run, step=0)), outputs(actor0))
+    np.testing.assert_array_equal(outputs(restore_model(run, "critic")), outputs(critic5))
+    assert not np.array_equal(outputs(actor0), outputs(actor5))  # the steps really differ
+
+    with pytest.raises(RunDirError, match="step 1 .* has no actor_params item"):
+        restore_model(run, step=1)
+    with pytest.raises(RunDirError, match="no step 3"):
+        restore_model(run, step=3)
+
+
+def test_from_hf_output_restores_like_the_trainer_does(tmp_path):
+    """from_hf writes numpy arrays through its own handler: a plain CheckpointManager with
+    StandardRestore (what the trainer calls) must read them as jax arrays."""
+    hf_in, run = tmp_path / "hf_in", tmp_path / "run"
+    write_hf_dir(hf_in, "nanbeige", "actor", "bfloat16", seed=2)
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(run)]) == 0
+    reference = load_hf(hf_in, dtype=None)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _pure(reference)
+    )
+    with ocp.CheckpointManager(run / CHECKPOINT_DIR) as mngr:
+        got = mngr.restore(
+            0, args=ocp.args.Composite(actor_params=ocp.args.StandardRestore(target))
+        )["actor_params"]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(_pure(reference)), strict=True):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_save_model_keeps_the_model_usable_without_donate(tmp_path):
+    model = _model("nanbeige", "actor", 3, "bfloat16")
+    before = outputs(model)
+    save_model(tmp_path / "run", model, step=2)
+    np.testing.assert_array_equal(outputs(model), before)
+    restored = restore_model(tmp_path / "run", compute_dtype="float32", remat="full")
+    assert restored.config.param_dtype == "bfloat16"
+    assert restored.config.compute_dtype == "float32" and restored.config.remat == "full"
+    assert not (tmp_path / "run" / TOKENIZER_DIR).exists()
+
+
+def test_restore_errors(tmp_path):
+    with pytest.raises(RunDirError, match="does not exist"):
+        restore_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="no checkpoints/"):
+        restore_model(tmp_path / "empty")
+    run = tmp_path / "run"
+    save_model(run, _model("nanbeige", "actor", 0))
+    with pytest.raises(RunDirError, match="no critic model"):
+        restore_model(run, "critic")
+    with pytest.raises(RunDirError, match="role='policy'"):
+        restore_model(run, "policy")
+    # a config that does not match the stored parameters
+    hf = json.loads((run / config_file("actor")).read_text())
+    hf["intermediate_size"] = 48
+    (run / config_file("actor")).write_text(json.dumps(hf))
+    with pytest.raises(RunDirError, match=r"parameter blocks\.down_proj has shape \(2, 64, 32\)"):
+        restore_model(run)
+    hf["model_type"] = "ouro"
+    hf["total_ut_steps"] = 4
+    (run / config_file("actor")).write_text(json.dumps(hf))
+    with pytest.raises(RunDirError, match="has no parameter"):
+        restore_model(run)
+
+
+# ---- CLI errors ------------------------------------------------------------------------------
+def _drop(tensors_dir: Path, name: str) -> None:
+    """Rewrite the shard holding `name` without it."""
+    for file in tensors_dir.glob("*.safetensors"):
+        kept = {n: np.array(a) for n, a in read_safetensors(file)}
+        if name in kept:
+            del kept[name]
+            write_safetensors(file, kept)
+
+
+def _add(tensors_dir: Path, name: str, arr: np.ndarray) -> None:
+    file = sorted(tensors_dir.glob("*.safetensors"))[-1]
+    kept = {n: np.array(a) for n, a in read_safetensors(file)}
+    kept[name] = arr
+    write_safetensors(file, kept)
+
+
+def _reshape(tensors_dir: Path, name: str) -> None:
+    for file in tensors_dir.glob("*.safetensors"):
+        kept = {n: np.array(a) for n, a in read_safetensors(file)}
+        if name in kept:
+            kept[name] = kept[name][:-1]
+            write_safetensors(file, kept)
+
+
+def _config(hf_dir: Path, **changes) -> None:
+    hf = json.loads((hf_dir / "config.json").read_text())
+    hf.update(changes)
+    (hf_dir / "config.json").write_text(json.dumps(hf))
+
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+FROM_HF_ERRORS = {
+    "missing dir": (None, ["--hf-dir", "{tmp}/absent"], "absent is not a directory"),
+    "unknown tensor": (
+        lambda d: _add(d, "model.layers.0.mlp.extra.weight", np.zeros(4, np.float32)),
+        [],
+        "unexpected tensor model.layers.0.mlp.extra.weight",
+    ),
+    "missing tensor": (lambda d: _drop(d, Q0), [], f"missing tensor {Q0}"),
+    "mis-shaped tensor": (lambda d: _reshape(d, Q0), [], f"tensor {Q0} has shape (63, 32)"),
+    "bad config key": (
+        lambda d: _config(d, rope_scaling={"type": "yarn", "factor": 4.0}),
+        [],
+        "rope_scaling",
+    ),
+    "unknown model_type": (lambda d: _config(d, model_type="gpt2"), [], "model_type='gpt2'"),
+    "bad dtype": (None, ["--dtype", "float16"], "invalid choice: 'float16'"),
+    "missing argument": (None, ["--hf-dir"], "expected one argument"),
+}
+
+
+@pytest.mark.parametrize("case", list(FROM_HF_ERRORS))
+def test_from_hf_errors(tmp_path, capsys, case):
+    mutate, extra, message = FROM_HF_ERRORS[case]
+    hf_in = tmp_path / "hf_in"
+    write_hf_dir(hf_in, "nanbeige", "actor", "float32")
+    if mutate is not None:
+        mutate(hf_in)
+    out = tmp_path / "new" / "run"  # a missing parent too: must not be left behind either
+    argv = ["--hf-dir", str(hf_in), "--out", str(out)]
+    argv += [a.format(tmp=tmp_path) for a in extra]
+    assert from_hf.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert message in err
+    assert only_entries(tmp_path) == ["hf_in"]
+
+
+def test_from_hf_refuses_a_non_empty_out(tmp_path, capsys):
+    hf_in, out = tmp_path / "hf_in", tmp_path / "out"
+    write_hf_dir(hf_in, "nanbeige", "actor", "float32")
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not an empty directory" in err
+    assert only_entries(out) == ["keep.txt"] and only_entries(tmp_path) == ["hf_in", "out"]
+    # an existing empty dir is fine
+    (out / "keep.txt").unlink()
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(out)]) == 0
+    assert (out / CHECKPOINT_DIR).is_dir()
+
+
+@pytest.fixture(scope="module")
+def actor_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("actor") / "run"
+    save_model(run, _model("nanbeige", "actor", 0), step=4)
+    return run
+
+
+TO_HF_ERRORS = {
+    "missing run dir": (["--checkpoint", "{tmp}/absent"], "run dir {tmp}/absent does not exist"),
+    "missing role": (["--role", "critic"], "has no critic model (critic_config.json missing)"),
+    "missing step": (["--step", "3"], "has no step 3 (steps: [4])"),
+    "bad step": (["--step", "x"], "invalid int value: 'x'"),
+    "bad dtype": (["--dtype", "int8"], "invalid choice: 'int8'"),
+    "bad shard size": (["--max-shard-size", "lots"], "--max-shard-size 'lots'"),
+    "non-empty out": (["--out", "{tmp}/full"], "full exists and is not an empty directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(TO_HF_ERRORS))
+def test_to_hf_errors(tmp_path, capsys, actor_run, case):
+    extra, message = TO_HF_ERRORS[case]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    argv = ["--checkpoint", str(actor_run), "--out", str(tmp_path / "hf")]
+    argv += [a.format(tmp=tmp_path) for a in extra]
+    assert to_hf.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert message.format(tmp=tmp_path) in err
+    assert only_entries(tmp_path) == ["full"]
+
+
+# ---- subprocess: what a user sees ------------------------------------------------------------
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [PYTHON, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
+
+
+def test_cli_subprocess_round_trip(tmp_path):
+    hf_in, run, hf_out = tmp_path / "hf_in", tmp_path / "run", tmp_path / "hf_out"
+    tensors = write_hf_dir(hf_in, "ouro", "critic", "bfloat16", seed=4)
+    r = _cli("conversion.from_hf", "--hf-dir", str(hf_in), "--out", str(run))
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {run}: ouro critic" in r.stdout
+    r = _cli(
+        "conversion.to_hf", "--checkpoint", str(run), "--out", str(hf_out),
+        "--role", "critic", "--max-shard-size", "30KB",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(list(hf_out.glob("*.safetensors"))) > 1
+    assert_same_tensors(read_hf_tensors(hf_out), tensors)
+
+
+def test_cli_subprocess_errors_are_one_line(tmp_path):
+    hf_in = tmp_path / "hf_in"
+    write_hf_dir(hf_in, "nanbeige", "actor", "bfloat16")
+    _drop(hf_in, "lm_head.weight")
+    r = _cli("conversion.from_hf", "--hf-dir", str(hf_in), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2
+    assert r.stderr == f"error: missing tensor lm_head.weight in {hf_in}\n"
+    assert r.stdout == ""
+    r = _cli("conversion.to_hf", "--checkpoint", str(hf_in), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 2
+    assert r.stderr == f"error: {hf_in} has no checkpoints/ directory\n"
+    assert only_entries(tmp_path) == ["hf_in"]
