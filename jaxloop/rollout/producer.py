@@ -17,7 +17,7 @@ from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
 from jaxloop.rollout.types import PromptRequest, Sample, SamplingConfig
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(DataError):
     """A prompt does not fit in data.max_prompt_tokens."""
 
 
@@ -63,6 +63,9 @@ class RolloutProducer:
         if len(self.source) == 0:
             raise DataError(f"data source {settings.data.get('source')!r} is empty")
         self.eval_examples = make_eval_examples(settings.data, settings.eval_prompts)
+        # fail before anything is written: every known prompt must fit the context
+        for example in getattr(self.source, "examples", []) + self.eval_examples:
+            self.encode(example.prompt)
         self.reward_fn = get_reward(settings.reward)
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)

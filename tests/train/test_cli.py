@@ -1,0 +1,123 @@
+"""`python -m jaxloop.train`: bad input is one line on stderr, exit code 2, nothing written;
+non-finite rewards are dropped and counted; training starts from an HF directory."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
+from jaxloop.train import main
+
+TINY = [
+    "--config.model.hidden_size=32",
+    "--config.model.intermediate_size=64",
+    "--config.model.num_layers=1",
+    "--config.model.head_dim=16",
+    "--config.prompts_per_update=4",
+    "--config.n_samples_per_prompt=2",
+    "--config.micro_batch_size=8",
+    "--config.eval_prompts=8",
+    "--config.progress=false",
+]
+
+
+def _run_main(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", "grpo.py", "--config.nope=1"], "unknown config key 'nope'"),
+        (["--config", "grpo.py", "--config.algo.nope=1"], "unknown config key 'algo.nope'"),
+        (["--config", "grpo.py", "--config.total_updates=many"], "expected an integer"),
+        (["--config", "grpo.py", "--config.n_samples_per_prompt=1"], "n_samples_per_prompt >= 2"),
+        (["--config", "no_such_config.py"], "not found"),
+        (["--config", "ppo.py", "--config.model.hf_dir=/no/such/dir"], "hf_dir"),
+        (["--config", "ppo.py", "--config.algorithm=sac"], "algorithm='sac'"),
+        (["--config", "ppo.py", "--config.data.max_prompt_tokens=3"], "longer than"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+    run_dir = tmp_path / "run"
+    code, err = _run_main(capsys, *TINY, f"--config.run_dir={run_dir}", *args)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not run_dir.exists()
+
+
+def test_empty_dataset_is_an_error(tmp_path, capsys):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    run_dir = tmp_path / "run"
+    code, err = _run_main(
+        capsys,
+        "--config",
+        "ppo.py",
+        f"--config.run_dir={run_dir}",
+        f"--config.data.source={data}",
+        *TINY,
+    )
+    assert code == 2 and err.count("\n") == 1 and "empty" in err, err
+    assert not run_dir.exists()
+
+
+def test_help_exits_2_without_writing(capsys):
+    code, err = _run_main(capsys, "--help")
+    assert code == 2 and "usage" in err
+
+
+def nan_for_odd_seeds(response: str, label: str) -> float:
+    return float("nan") if response and ord(response[0]) % 2 else 1.0
+
+
+def test_nan_rewards_dropped_and_counted(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxloop.train",
+        "--config",
+        "ppo.py",
+        f"--config.run_dir={run_dir}",
+        "--config.total_updates=2",
+        *TINY,
+        "--config.data.reward=tests.train.test_cli:nan_for_odd_seeds",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["dropped_samples"] + row["num_samples"] == 8
+        assert math.isfinite(row["reward_mean"]) and math.isfinite(row["policy_loss"])
+    assert sum(r["dropped_samples"] for r in rows) > 0
+
+
+def test_train_from_hf_dir(tmp_path):
+    hf = tiny_hf_config("ouro", vocab_size=64, hidden_size=32, head_dim=16, num_hidden_layers=1)
+    model = LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
+    save_hf(model, tmp_path / "hf", dtype="float32")
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxloop.train",
+        "--config",
+        "grpo.py",
+        f"--config.run_dir={run_dir}",
+        "--config.total_updates=1",
+        *TINY,
+        f"--config.model.hf_dir={tmp_path / 'hf'}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stored = json.loads((run_dir / "actor_config.json").read_text())
+    assert stored["model_type"] == "ouro" and stored["total_ut_steps"] == 4
+    assert len(open(run_dir / "metrics.jsonl").readlines()) == 1
