@@ -21,6 +21,7 @@ from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import DEFAULT_LOGPROB_DIFF, UsageError, parse_args
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
+from jaxloop.draft_features import DraftFeatureWriter, config_digest
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
 from jaxloop.models.hf_io import CheckpointError
@@ -31,6 +32,7 @@ from jaxloop.rl.losses import LossHParams
 from jaxloop.rollout.producer import (
     ProducerSettings,
     RolloutProducer,
+    build_tokenizer,
     derive_seed,
 )
 from jaxloop.rollout.types import SamplingConfig
@@ -197,6 +199,16 @@ class Trainer:
             self.checkpointer.write_configs(self.learner)
             (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
         self.metrics = MetricsWriter(self.run_dir, start_update=self.start_update)
+        self.features = None
+        if cfg.draft_features.enabled:
+            tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
+            self.features = DraftFeatureWriter(
+                self.run_dir,
+                cfg.draft_features.max_tokens_per_update,
+                cfg.draft_features.max_bytes,
+                config_digest(actor.config.to_hf_dict()),
+                tokenizer.digest(),
+            )
 
     def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
         diff = np.abs(np.asarray(old_lp) - arrays.behav_logprobs) * arrays.response_mask
@@ -258,7 +270,13 @@ class Trainer:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
         arrays = build_rollout_arrays(samples, [s.reward for s in samples])
         t1 = time.perf_counter()
-        old_lp = jax.block_until_ready(self.learner.recompute_logprobs(arrays))
+        if self.features is None:
+            old_lp = jax.block_until_ready(self.learner.recompute_logprobs(arrays))
+        else:  # the same forward also yields the draft-model features
+            old_lp, hidden = self.learner.recompute_logprobs(arrays, with_hidden=True)
+            metrics["draft_feature_tokens"] = float(
+                self.features.write(update, self.version, samples, arrays, hidden)
+            )
         time_old = time.perf_counter() - t1
         metrics.update(self.check_logprobs(update, arrays, old_lp))
         metrics.update(self.learner.update(arrays, old_lp))

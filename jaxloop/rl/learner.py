@@ -113,14 +113,19 @@ def make_optimizer(
 
 
 # ---- pure model functions (jit-friendly) ----
-def token_logprobs(graphdef, params, tokens, attention_mask, temperature):
-    """Selected-token log-probs of log_softmax(logits / T) at every target position, and the
-    scaled logits (only materialised inside jit, per micro-batch)."""
+def forward_logprobs(graphdef, params, tokens, attention_mask, temperature):
+    """Selected-token log-probs of log_softmax(logits / T) at every target position, the scaled
+    logits (only materialised inside jit, per micro-batch) and the LM-head input hidden states."""
     model = nnx.merge(graphdef, params)
-    logits = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1]).logits
-    logits = logits / temperature
+    out = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1])
+    logits = out.logits / temperature
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return lp, logits, out.hidden
+
+
+def token_logprobs(graphdef, params, tokens, attention_mask, temperature):
+    lp, logits, _ = forward_logprobs(graphdef, params, tokens, attention_mask, temperature)
     return lp, logits
 
 
@@ -207,7 +212,7 @@ class Learner:
             self.critic_params = cstate.to_pure_dict()
             self.critic_tx = critic_tx
             self.critic_opt_state = critic_tx.init(self.critic_params)
-        self._logprobs = jax.jit(self._logprobs_impl)
+        self._logprobs = jax.jit(self._logprobs_impl, static_argnames="with_hidden")
         self._values = jax.jit(self._values_impl)
         self._policy_step = jax.jit(self._policy_step_impl)
         self._critic_step = jax.jit(self._critic_step_impl)
@@ -225,12 +230,12 @@ class Learner:
         return nnx.merge(self.critic_graphdef, self.critic_params)
 
     # ---- batched recomputes (micro-batched, jitted) ----
-    def _logprobs_impl(self, params, mb):
+    def _logprobs_impl(self, params, mb, with_hidden: bool):
         def one(_, x):
-            lp, _ = token_logprobs(
+            lp, _, hidden = forward_logprobs(
                 self.actor_graphdef, params, x["tokens"], x["attention_mask"], self.cfg.temperature
             )
-            return None, lp
+            return None, (lp, hidden) if with_hidden else lp
 
         return jax.lax.scan(one, None, mb)[1]
 
@@ -249,10 +254,12 @@ class Learner:
             self.cfg.micro_batch_size,
         )
         out = fn(params, mb)
-        return out.reshape((-1,) + out.shape[2:])[:n]
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:n], out)
 
-    def recompute_logprobs(self, arrays: RolloutArrays, params=None) -> jax.Array:
-        return self._per_sample(self._logprobs, params or self.actor_params, arrays)
+    def recompute_logprobs(self, arrays: RolloutArrays, params=None, with_hidden=False):
+        """[N, T] log-probs (and, with_hidden, the [N, T, E] LM-head inputs of the last loop)."""
+        fn = functools.partial(self._logprobs, with_hidden=with_hidden)
+        return self._per_sample(fn, params or self.actor_params, arrays)
 
     def compute_values(self, arrays: RolloutArrays) -> jax.Array:
         return self._per_sample(self._values, self.critic_params, arrays)
