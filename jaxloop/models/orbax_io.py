@@ -194,7 +194,10 @@ def restore_model(
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+    # Read about 1 GB at a time (orbax's default, 96 GB, reads a whole model at once).
+    registry.add(
+        item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler(restore_concurrent_gb=1)
+    )
     with _open(ckpt, registry) as mngr, _quiet_other_items():
         steps = mngr.all_steps()
         if not steps:
