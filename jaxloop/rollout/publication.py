@@ -1,0 +1,315 @@
+"""Policy publication as a transaction: complete, versioned and digest-checked.
+
+A publisher describes a policy version with a `Manifest` (every tensor's name, shape and dtype, the
+count, a sha256 digest and the byte total), serialises the tensors into safetensors-format buckets
+(`make_chunks`), and a `PublicationReceiver` on the engine side accepts `begin` / `add_chunk` /
+`finish`. Only `finish` hands tensors out, and only when the set received is exactly the expected
+one (names, shapes, dtypes), the count matches and the digest of what arrived matches the digest
+the publisher computed. Anything else raises `PublicationError` and nothing is handed out, so the
+engine keeps serving its previous version.
+
+numpy + ml_dtypes only: importable by the JAX trainer and by engine processes (no jax, no torch).
+The safetensors byte format is written and read here by hand because `safetensors.numpy` cannot
+load bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from jaxloop.rollout.engine import PublicationError
+
+# safetensors dtype tag <-> numpy dtype; dtype *names* (str(np.dtype)) are what manifests carry.
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_TAGS: dict[np.dtype, str] = {v: k for k, v in _ST_DTYPES.items()}
+
+Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
+
+
+def dtype_name(dtype) -> str:
+    """Canonical dtype name: 'float32', 'bfloat16', ... (what manifests and specs carry)."""
+    return str(np.dtype(dtype))
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype not in _ST_TAGS:
+        raise PublicationError(f"tensor {name}: dtype {arr.dtype} cannot be published")
+    return arr
+
+
+# ---- digest --------------------------------------------------------------------------------------
+def tensor_digest(tensors: Iterable[tuple[str, np.ndarray]]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in name-sorted order.
+
+    The result does not depend on the order tensors are given in; it changes with any name, dtype,
+    shape or byte. Duplicate names are an error.
+    """
+    items: dict[str, np.ndarray] = {}
+    for name, value in tensors:
+        if name in items:
+            raise PublicationError(f"tensor {name} appears twice")
+        items[name] = _as_array(name, value)
+    h = hashlib.sha256()
+    for name in sorted(items):
+        arr = items[name]
+        header = json.dumps([name, dtype_name(arr.dtype), list(arr.shape)], separators=(",", ":"))
+        h.update(struct.pack("<Q", len(header)))
+        h.update(header.encode())
+        data = np.ascontiguousarray(arr)
+        h.update(struct.pack("<Q", data.nbytes))
+        h.update(memoryview(data.reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+# ---- manifest ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What one publication promises to deliver."""
+
+    version: int
+    tensors: dict[str, Spec]  # name -> (shape, dtype name)
+    count: int
+    digest: str
+    total_bytes: int
+
+    @classmethod
+    def build(cls, version: int, tensors: Iterable[tuple[str, np.ndarray]]) -> Manifest:
+        items = [(name, _as_array(name, value)) for name, value in tensors]
+        specs: dict[str, Spec] = {}
+        for name, arr in items:
+            if name in specs:
+                raise PublicationError(f"tensor {name} appears twice")
+            specs[name] = (tuple(int(d) for d in arr.shape), dtype_name(arr.dtype))
+        return cls(
+            version=int(version),
+            tensors=specs,
+            count=len(items),
+            digest=tensor_digest(items),
+            total_bytes=int(sum(arr.nbytes for _, arr in items)),
+        )
+
+    def to_dict(self) -> dict:
+        """A JSON/msgpack-friendly form (for sending across processes)."""
+        return {
+            "version": self.version,
+            "tensors": {n: [list(s), d] for n, (s, d) in self.tensors.items()},
+            "count": self.count,
+            "digest": self.digest,
+            "total_bytes": self.total_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Manifest:
+        return cls(
+            version=int(d["version"]),
+            tensors={n: (tuple(int(x) for x in s), str(t)) for n, (s, t) in d["tensors"].items()},
+            count=int(d["count"]),
+            digest=str(d["digest"]),
+            total_bytes=int(d["total_bytes"]),
+        )
+
+
+# ---- safetensors buckets -------------------------------------------------------------------------
+def serialize_tensors(tensors: Iterable[tuple[str, np.ndarray]]) -> bytes:
+    """One safetensors blob (8-byte header length, JSON header, raw little-endian data)."""
+    items = [(name, np.ascontiguousarray(_as_array(name, value))) for name, value in tensors]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, arr in items:
+        if name in header:
+            raise PublicationError(f"tensor {name} appears twice")
+        header[name] = {
+            "dtype": _ST_TAGS[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    parts = [struct.pack("<Q", len(blob)), blob]
+    parts += [memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items]  # one copy
+    return b"".join(parts)
+
+
+def deserialize_tensors(data: bytes) -> list[tuple[str, np.ndarray]]:
+    """Parse a safetensors blob into zero-copy views of `data`; malformed -> PublicationError."""
+    try:
+        if len(data) < 8:
+            raise ValueError("shorter than its 8-byte header length")
+        (header_len,) = struct.unpack("<Q", data[:8])
+        if 8 + header_len > len(data):
+            raise ValueError("header runs past the end")
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        body = memoryview(data)[8 + header_len :]
+        out = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            tag = info["dtype"]
+            if tag not in _ST_DTYPES:
+                raise ValueError(f"tensor {name} has unsupported dtype {tag}")
+            dtype = _ST_DTYPES[tag]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+            if not 0 <= start <= end <= len(body):
+                raise ValueError(f"tensor {name} has data offsets out of range")
+            if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise ValueError(f"tensor {name}: {end - start} bytes do not fit shape {shape}")
+            arr = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+            out.append((name, arr))
+        return out
+    except PublicationError:
+        raise
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise PublicationError(f"malformed chunk: {e}") from e
+
+
+def iter_chunks(tensors: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> Iterator[bytes]:
+    """Serialise tensors into safetensors buckets of at most ~bucket_bytes of tensor data each
+    (a tensor larger than a bucket gets a bucket of its own; tensors are never split), one
+    bucket at a time."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    pending: list[tuple[str, np.ndarray]] = []
+    size = 0
+    for name, value in tensors:
+        arr = _as_array(name, value)
+        if pending and size + arr.nbytes > bucket_bytes:
+            yield serialize_tensors(pending)
+            pending, size = [], 0
+        pending.append((name, arr))
+        size += arr.nbytes
+    if pending:
+        yield serialize_tensors(pending)
+
+
+def make_chunks(tensors: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> list[bytes]:
+    """All buckets of `iter_chunks` as a list."""
+    return list(iter_chunks(tensors, bucket_bytes))
+
+
+# ---- receiver ------------------------------------------------------------------------------------
+class PublicationReceiver:
+    """Engine-side state machine for one publication at a time.
+
+    expected: name -> (shape, dtype) that this engine can load; a publication must deliver exactly
+    that set. `committed_version` is the last version `finish` handed out; versions must increase.
+    Any refusal aborts the open transaction (a new `begin` is needed).
+    """
+
+    def __init__(self, expected: Mapping[str, tuple]):
+        self.expected: dict[str, Spec] = {
+            n: (tuple(int(d) for d in s), dtype_name(t)) for n, (s, t) in expected.items()
+        }
+        self.committed_version: int | None = None
+        self._manifest: Manifest | None = None
+        self._received: dict[str, np.ndarray] = {}
+
+    @property
+    def in_progress(self) -> int | None:
+        return None if self._manifest is None else self._manifest.version
+
+    def abort(self) -> None:
+        self._manifest = None
+        self._received = {}
+
+    def _refuse(self, message: str):
+        self.abort()
+        raise PublicationError(message)
+
+    def _check_spec(self, name: str, shape: tuple, dtype: str, what: str) -> None:
+        if name not in self.expected:
+            self._refuse(f"{what}: unknown tensor {name}")
+        want_shape, want_dtype = self.expected[name]
+        if tuple(shape) != want_shape:
+            self._refuse(f"{what}: tensor {name} has shape {tuple(shape)}, expected {want_shape}")
+        if dtype != want_dtype:
+            self._refuse(f"{what}: tensor {name} has dtype {dtype}, expected {want_dtype}")
+
+    def _check_version(self, version: int, what: str) -> None:
+        if self._manifest is None:
+            self._refuse(f"{what} for version {version} without begin()")
+        if version != self._manifest.version:
+            self._refuse(
+                f"{what} for version {version}, but version {self._manifest.version} is open"
+            )
+
+    def begin(self, version: int, manifest: Manifest | Mapping) -> None:
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest.from_dict(manifest)
+        self.abort()
+        if manifest.version != version:
+            self._refuse(f"begin({version}) with a manifest for version {manifest.version}")
+        if self.committed_version is not None and version <= self.committed_version:
+            self._refuse(f"version {version} is not newer than committed {self.committed_version}")
+        if manifest.count != len(manifest.tensors):
+            self._refuse(
+                f"manifest count {manifest.count} != its {len(manifest.tensors)} tensor entries"
+            )
+        for name, (shape, dtype) in manifest.tensors.items():
+            self._check_spec(name, shape, dtype, "manifest")
+        missing = sorted(set(self.expected) - set(manifest.tensors))
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            self._refuse(f"manifest: missing tensor {missing[0]}{more}")
+        self._manifest = manifest
+
+    def add_chunk(self, version: int, data: bytes) -> int:
+        """Accept one bucket; returns the number of tensors it held."""
+        self._check_version(version, "add_chunk")
+        try:
+            items = deserialize_tensors(data)
+        except PublicationError as e:
+            self._refuse(str(e))
+        for name, arr in items:
+            if name not in self._manifest.tensors:
+                self._refuse(f"chunk: tensor {name} is not in the manifest")
+            self._check_spec(name, arr.shape, dtype_name(arr.dtype), "chunk")
+            if name in self._received:
+                self._refuse(f"chunk: tensor {name} received twice")
+            self._received[name] = arr
+        return len(items)
+
+    def finish(self, version: int, count: int, digest: str) -> dict[str, np.ndarray]:
+        """Verify the whole transaction; on success commit `version` and return the tensors."""
+        self._check_version(version, "finish")
+        manifest = self._manifest
+        if count != manifest.count:
+            self._refuse(f"finish: count {count} != manifest count {manifest.count}")
+        if len(self._received) != count:
+            self._refuse(f"finish: received {len(self._received)} tensors, expected {count}")
+        missing = sorted(set(self.expected) - set(self._received))
+        if missing:
+            self._refuse(f"finish: missing tensor {missing[0]}")
+        if digest != manifest.digest:
+            self._refuse("finish: digest differs from the manifest's")
+        actual = tensor_digest(self._received.items())
+        if actual != digest:
+            self._refuse(
+                f"finish: digest mismatch (received {actual[:16]}..., sent {digest[:16]}...)"
+            )
+        tensors = self._received
+        self.abort()
+        self.committed_version = version
+        return tensors

@@ -1,0 +1,261 @@
+"""A RolloutEngine on vLLM (in-process `vllm.LLM`), serving looped models via jaxloop's plugin.
+
+Importing this module is cheap; vLLM (and torch) are imported when a VLLMEngine is created.
+
+- Prompts go in as token ids (no tokenizer in the engine: skip_tokenizer_init=True).
+- `publish` is a transaction (jaxloop.rollout.publication): manifest -> safetensors buckets ->
+  finish with count and digest, checked in the engine's worker(s) before anything is loaded.
+  On success the weights are reloaded in place (`reload_weights`), the prefix cache is dropped
+  (its KV was computed with the old weights) and the version is committed. On refusal
+  PublicationError is raised and the previous version keeps serving.
+- `generate` returns, per sampled token, log_softmax(logits / temperature) over the full
+  vocabulary (top-k / top-p filtering is not reflected; greedy: log_softmax(logits)): vLLM runs
+  with logprobs_mode='processed_logprobs' and the worker extension takes the log-softmax ahead
+  of top-k / top-p filtering (see vllm_models.worker.install_unfiltered_logprobs).
+
+Not thread-safe: call publish / generate from one thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.publication import Manifest, iter_chunks
+from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
+
+WORKER_EXTENSION = "jaxloop.rollout.vllm_models.worker.JaxloopWorkerExtension"
+
+
+class EngineBrokenError(RuntimeError):
+    """Loading a verified publication failed part-way; the engine's weights are undefined."""
+
+
+class VLLMEngine:
+    """In-process vLLM engine implementing the RolloutEngine protocol.
+
+    model_dir: an HF checkpoint directory (config.json + safetensors) whose architecture is
+    NanbeigeForCausalLM or OuroForCausalLM; its weights are loaded at start-up but not served
+    until the first `publish` commits a version.
+    bucket_bytes: tensor bytes per publication chunk.
+    Other keyword arguments go to `vllm.LLM` (e.g. gpu_memory_utilization, tensor_parallel_size,
+    block_size, enforce_eager, max_num_seqs).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        bucket_bytes: int = 256 << 20,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs,
+    ):
+        # The unfiltered-logprob hook needs the V1 model runner's sampler.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        from vllm import LLM
+
+        from jaxloop.rollout.vllm_models import register
+
+        register()
+        self.model_dir = str(model_dir)
+        self.dtype = dtype
+        self.bucket_bytes = int(bucket_bytes)
+        self._llm = LLM(
+            model=self.model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
+        )
+        replies = self._rpc("jaxloop_setup")
+        self.expected: dict[str, tuple[tuple[int, ...], str]] = {
+            n: (tuple(s), d) for n, (s, d) in replies[0]["expected"].items()
+        }
+        self._version: int | None = None
+        self._broken: str | None = None
+        self.last_publish: PublishStats | None = None
+        self.publish_history: list[PublishStats] = []
+
+    # ---- RolloutEngine -----------------------------------------------------------------------
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def publish(self, tensors: Iterable[tuple[str, np.ndarray]], version: int) -> PublishStats:
+        """Install HF-named tensors as policy `version` (all-or-nothing)."""
+        start = time.perf_counter()
+        items = [(name, np.asarray(value)) for name, value in tensors]
+        manifest = Manifest.build(version, items)
+        # buckets are serialised one at a time as they are sent (host memory: one bucket)
+        return self.publish_chunks(manifest, iter_chunks(items, self.bucket_bytes), start=start)
+
+    def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
+        self._check_serving()
+        if not requests:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [self._sampling_params(sampling, r.seed) for r in requests]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for req, out in zip(requests, outputs, strict=True):
+            completion = out.outputs[0]
+            ids = [int(t) for t in completion.token_ids]
+            if completion.logprobs is None or len(completion.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned no log-prob for some tokens of {out.request_id}")
+            logprobs = [
+                float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)
+            ]
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"request finished with {completion.finish_reason!r}")
+            samples.append(
+                Sample(
+                    prompt_ids=list(req.prompt_ids),
+                    response_ids=ids,
+                    response_logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    policy_version=self._version,
+                    seed=req.seed,
+                    group_id=req.group_id,
+                    sample_index=req.sample_index,
+                    label=req.label,
+                    prompt_text=req.prompt_text,
+                )
+            )
+        return samples
+
+    def close(self) -> None:
+        if self._llm is None:
+            return
+        engine = getattr(self._llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self._llm = None
+        gc.collect()
+
+    # ---- extras ------------------------------------------------------------------------------
+    def publish_chunks(
+        self,
+        manifest: Manifest,
+        chunks: Iterable[bytes],
+        *,
+        count: int | None = None,
+        digest: str | None = None,
+        start: float | None = None,
+    ) -> PublishStats:
+        """Run one publication transaction from prepared parts (count / digest default to the
+        manifest's; tests pass others to check refusals)."""
+        start = time.perf_counter() if start is None else start
+        if self._broken:
+            raise EngineBrokenError(self._broken)
+        version = manifest.version
+        if self._version is not None and version <= self._version:
+            raise PublicationError(f"version {version} is not newer than committed {self._version}")
+        try:
+            self._rpc_checked("jaxloop_begin", version, manifest.to_dict())
+            chunk_iter = iter(chunks)
+            while True:
+                try:
+                    chunk = next(chunk_iter)
+                except StopIteration:
+                    break
+                except Exception as e:  # the publisher's side (a lost object, a file): refuse
+                    raise PublicationError(f"publication {version}: chunk failed: {e!r}") from e
+                self._rpc_checked("jaxloop_add_chunk", version, chunk)
+            self._rpc_checked(
+                "jaxloop_finish",
+                version,
+                manifest.count if count is None else count,
+                manifest.digest if digest is None else digest,
+            )
+        except PublicationError:
+            self._rpc("jaxloop_abort")
+            raise
+        if not self._llm.reset_prefix_cache():
+            self._broken = f"version {version} loaded but the prefix cache could not be reset"
+            raise EngineBrokenError(self._broken)
+        self._version = version
+        stats = PublishStats(
+            version=version,
+            num_tensors=manifest.count,
+            num_bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - start,
+        )
+        self.last_publish = stats
+        self.publish_history.append(stats)
+        return stats
+
+    def prompt_logprobs(self, token_ids) -> np.ndarray:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 under the committed policy
+        (temperature 1, full vocabulary): float32 array of len(token_ids) - 1."""
+        self._check_serving()
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [int(t) for t in token_ids]
+        params = SamplingParams(
+            max_tokens=1, prompt_logprobs=0, detokenize=False, ignore_eos=True, temperature=1.0
+        )
+        out = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        steps = out[0].prompt_logprobs[1:]
+        if len(steps) != len(ids) - 1:
+            raise RuntimeError(f"vLLM returned {len(steps)} prompt log-probs for {len(ids)} tokens")
+        return np.array([s[t].logprob for s, t in zip(steps, ids[1:], strict=True)], np.float32)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        if self._broken:
+            raise EngineBrokenError(self._broken)
+        if self._version is None:
+            raise NotPublishedError("no policy version has been published to this engine yet")
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if sampling.greedy else float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
+            seed=int(seed),
+            max_tokens=int(sampling.max_new_tokens),
+            stop_token_ids=[int(t) for t in sampling.stop_token_ids],
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    def _rpc(self, method: str, *args) -> list:
+        return self._llm.collective_rpc(method, args=args)
+
+    def _rpc_checked(self, method: str, *args) -> list:
+        replies = self._rpc(method, *args)
+        for reply in replies:
+            if reply.get("fatal"):
+                self._broken = reply["error"]
+                raise EngineBrokenError(reply["error"])
+            if not reply["ok"]:
+                raise PublicationError(reply["error"])
+        return replies
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

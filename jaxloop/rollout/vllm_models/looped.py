@@ -1,0 +1,361 @@
+"""Looped decoders (Nanbeige4.2, Ouro) for vLLM, built from vLLM's own layers.
+
+Engine processes only (torch + vLLM); never import this from JAX code.
+
+One copy of each physical layer's weights is shared by every loop, while every (loop, layer) pair
+has its own `Attention` module and therefore its own KV cache. The attention modules sit in one
+flat list, `model.loop_attn.{loop * num_layers + layer}`: vLLM derives each cache's layer index
+from the single integer in that name. `model.norm` is applied after every loop (Nanbeige with
+`skip_loop_final_norm=true`: after the last only). Ouro blocks use sandwich norms, run all
+`total_ut_steps` steps, and keep the early-exit gate's weights loaded but unused (full depth).
+
+`load_weights` consumes the HF tensor names of jaxloop's tables (jaxloop/models/nanbeige.py,
+ouro.py), mapping q/k/v onto the fused qkv_proj and gate/up onto gate_up_proj, and refuses
+unknown names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+# (fused vLLM parameter, HF name part, shard id)
+STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+class LoopedArch:
+    """What differs between the families, read from the HF config."""
+
+    def __init__(self, config, family: str):
+        self.family = family
+        self.vocab_size = int(config.vocab_size)
+        self.hidden_size = int(config.hidden_size)
+        self.intermediate_size = int(config.intermediate_size)
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "kv_channels", None)
+        self.head_dim = int(head_dim or self.hidden_size // self.num_heads)
+        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.max_position = int(getattr(config, "max_position_embeddings", 8192))
+        rope = getattr(config, "rope_parameters", None)
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{family}: rope {rope!r} is not implemented (only default)")
+        self.rope_parameters = dict(rope)
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if getattr(config, key, False):
+                raise ValueError(f"{family}: {key}=true is not implemented")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{family}: hidden_act={config.hidden_act!r} is not implemented")
+        if family == "ouro":
+            self.num_loops = int(config.total_ut_steps)
+            self.sandwich_norm = True
+            self.early_exit_gate = True
+            self.norm_between_loops = True
+        else:
+            for key in ("enable_double_loop_split", "loop_share_kv"):
+                if getattr(config, key, False):
+                    raise ValueError(f"{family}: {key}=true is not implemented")
+            self.num_loops = int(getattr(config, "num_loops", 1) or 1)
+            self.sandwich_norm = False
+            self.early_exit_gate = False
+            self.norm_between_loops = not bool(getattr(config, "skip_loop_final_norm", False))
+
+    def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor this model loads, with its full (unsharded) shape."""
+        e, m, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, e)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (e,)
+            shapes[p + "self_attn.q_proj.weight"] = (q, e)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, e)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, e)
+            shapes[p + "self_attn.o_proj.weight"] = (e, q)
+            shapes[p + "post_attention_layernorm.weight"] = (e,)
+            shapes[p + "mlp.gate_proj.weight"] = (m, e)
+            shapes[p + "mlp.up_proj.weight"] = (m, e)
+            shapes[p + "mlp.down_proj.weight"] = (e, m)
+            if self.sandwich_norm:
+                shapes[p + "input_layernorm_2.weight"] = (e,)
+                shapes[p + "post_attention_layernorm_2.weight"] = (e,)
+        shapes["model.norm.weight"] = (e,)
+        if self.early_exit_gate:
+            shapes["model.early_exit_gate.weight"] = (1, e)
+            shapes["model.early_exit_gate.bias"] = (1,)
+        shapes["lm_head.weight"] = (v, e)
+        return shapes
+
+
+class LoopedSelfAttention(nn.Module):
+    """q/k/v/o projections of one physical layer (shared by all loops). The attention itself
+    (and its KV cache) is passed in per call: one `Attention` module per (loop, layer)."""
+
+    def __init__(self, arch: LoopedArch, quant_config, prefix: str):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        if arch.num_heads % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
+            raise ValueError(f"heads {arch.num_heads}/{arch.num_kv_heads} do not split over {tp}")
+        self.num_heads = arch.num_heads // tp
+        self.num_kv_heads = max(1, arch.num_kv_heads // tp)
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size=arch.hidden_size,
+            head_size=arch.head_dim,
+            total_num_heads=arch.num_heads,
+            total_num_kv_heads=arch.num_kv_heads,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            input_size=arch.num_heads * arch.head_dim,
+            output_size=arch.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+
+    def forward(self, positions, hidden_states, rotary_emb, attn: Attention) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rotary_emb(positions, q, k)
+        out, _ = self.o_proj(attn(q, k, v))
+        return out
+
+
+class LoopedMLP(nn.Module):
+    def __init__(self, arch: LoopedArch, quant_config, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            input_size=arch.hidden_size,
+            output_sizes=[arch.intermediate_size] * 2,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            input_size=arch.intermediate_size,
+            output_size=arch.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        x, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(x))
+        return x
+
+
+class LoopedDecoderLayer(nn.Module):
+    def __init__(self, arch: LoopedArch, quant_config, prefix: str):
+        super().__init__()
+        e = arch.hidden_size
+        self.sandwich_norm = arch.sandwich_norm
+        self.input_layernorm = RMSNorm(e, eps=arch.eps)
+        self.self_attn = LoopedSelfAttention(arch, quant_config, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(e, eps=arch.eps)
+        self.mlp = LoopedMLP(arch, quant_config, f"{prefix}.mlp")
+        if arch.sandwich_norm:
+            self.input_layernorm_2 = RMSNorm(e, eps=arch.eps)
+            self.post_attention_layernorm_2 = RMSNorm(e, eps=arch.eps)
+
+    def forward(self, positions, h, rotary_emb, attn: Attention) -> torch.Tensor:
+        a = self.self_attn(positions, self.input_layernorm(h), rotary_emb, attn)
+        if self.sandwich_norm:
+            a = self.input_layernorm_2(a)
+        h = h + a
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.sandwich_norm:
+            m = self.post_attention_layernorm_2(m)
+        return h + m
+
+
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": 0,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
+class LoopedModel(nn.Module):
+    family = "nanbeige"
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", family: str = "nanbeige"):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        cache_config = vllm_config.cache_config
+        self.arch = arch = LoopedArch(config, family)
+        self.embed_tokens = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, quant_config=quant_config
+        )
+        self.layers = nn.ModuleList(
+            LoopedDecoderLayer(arch, quant_config, f"{prefix}.layers.{i}")
+            for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.eps)
+        self.rotary_emb = get_rope(
+            arch.head_dim,
+            max_position=arch.max_position,
+            is_neox_style=True,
+            rope_parameters=arch.rope_parameters,
+        )
+        heads, kv_heads = self.layers[0].self_attn.num_heads, self.layers[0].self_attn.num_kv_heads
+        self.loop_attn = nn.ModuleList(
+            Attention(
+                heads,
+                arch.head_dim,
+                arch.head_dim**-0.5,
+                num_kv_heads=kv_heads,
+                cache_config=cache_config,
+                quant_config=quant_config,
+                prefix=f"{prefix}.loop_attn.{loop * arch.num_layers + i}",
+            )
+            for loop in range(arch.num_loops)
+            for i in range(arch.num_layers)
+        )
+        if arch.early_exit_gate:
+            # Loaded and kept (publication round-trips it) but not used: full depth always.
+            self.early_exit_gate = ReplicatedLinear(
+                arch.hidden_size, 1, bias=True, prefix=f"{prefix}.early_exit_gate"
+            )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        arch = self.arch
+        for loop in range(arch.num_loops):
+            for i, layer in enumerate(self.layers):
+                attn = self.loop_attn[loop * arch.num_layers + i]
+                h = layer(positions, h, self.rotary_emb, attn)
+            if arch.norm_between_loops or loop == arch.num_loops - 1:
+                h = self.norm(h)
+        return h
+
+
+class _LoopedForCausalLM(nn.Module):
+    family = "nanbeige"
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        prefix_model = f"{prefix}.model" if prefix else "model"
+        self.model = LoopedModel(vllm_config=vllm_config, prefix=prefix_model, family=self.family)
+        self.arch = self.model.arch
+        self.lm_head = ParallelLMHead(
+            self.arch.vocab_size,
+            self.arch.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.lm_head" if prefix else "lm_head",
+        )
+        self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+        self.params_dtype = vllm_config.model_config.dtype
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def hf_tensor_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype name) of every HF tensor a publication must deliver."""
+        dtype = _dtype_name(self.params_dtype)
+        return {n: (s, dtype) for n, s in self.arch.hf_tensor_shapes().items()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        expected = self.arch.hf_tensor_shapes()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in expected:
+                raise ValueError(f"{type(self).__name__}: unexpected tensor {name}")
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(
+                    f"{type(self).__name__}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {expected[name]}"
+                )
+            for fused, part, shard_id in STACKED_PARAMS:
+                if part in name:
+                    target = name.replace(part, fused)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                target = name
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        return loaded
+
+
+class NanbeigeForCausalLM(_LoopedForCausalLM):
+    family = "nanbeige"
+
+
+class OuroForCausalLM(_LoopedForCausalLM):
+    family = "ouro"

@@ -1,0 +1,285 @@
+"""Publication transaction (numpy only, no engine): digest, buckets, and every refusal."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxloop.rollout import publication as pub
+from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.publication import (
+    Manifest,
+    PublicationReceiver,
+    deserialize_tensors,
+    iter_chunks,
+    make_chunks,
+    serialize_tensors,
+    tensor_digest,
+)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _tensors(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [
+        ("model.embed_tokens.weight", rng.normal(size=(16, 8)).astype(dtype)),
+        ("model.layers.0.self_attn.q_proj.weight", rng.normal(size=(12, 8)).astype(dtype)),
+        ("model.norm.weight", rng.normal(size=(8,)).astype(dtype)),
+        ("lm_head.weight", rng.normal(size=(16, 8)).astype(dtype)),
+        ("model.early_exit_gate.bias", rng.normal(size=(1,)).astype(dtype)),
+    ]
+
+
+def _expected(tensors):
+    return {n: (a.shape, str(a.dtype)) for n, a in tensors}
+
+
+def _transaction(rx, version, tensors, bucket=200, manifest=None, count=None, digest=None):
+    manifest = manifest or Manifest.build(version, tensors)
+    rx.begin(version, manifest)
+    for chunk in make_chunks(tensors, bucket):
+        rx.add_chunk(version, chunk)
+    return rx.finish(
+        version,
+        manifest.count if count is None else count,
+        manifest.digest if digest is None else digest,
+    )
+
+
+# ---- digest --------------------------------------------------------------------------------------
+def test_digest_is_order_independent_and_sensitive():
+    t = _tensors()
+    d = tensor_digest(t)
+    assert d == tensor_digest(list(reversed(t)))
+    assert len(d) == 64
+    # byte change
+    changed = [(n, a.copy()) for n, a in t]
+    changed[1][1].reshape(-1).view(np.uint8)[5] ^= 1
+    assert tensor_digest(changed) != d
+    # name change
+    assert tensor_digest([("x" + t[0][0], t[0][1])] + t[1:]) != d
+    # shape change, same bytes
+    assert tensor_digest([(t[0][0], t[0][1].reshape(8, 16))] + t[1:]) != d
+    # dtype change, same bytes
+    assert tensor_digest([(t[0][0], t[0][1].view(np.int32))] + t[1:]) != d
+    # non-contiguous input digests like its contiguous copy
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6)
+    assert tensor_digest([("a", arr.T)]) == tensor_digest([("a", np.ascontiguousarray(arr.T))])
+    with pytest.raises(PublicationError, match="twice"):
+        tensor_digest([t[0], t[0]])
+
+
+def test_manifest_roundtrip():
+    t = _tensors()
+    m = Manifest.build(7, t)
+    assert m.count == 5 and m.version == 7
+    assert m.total_bytes == sum(a.nbytes for _, a in t)
+    assert m.tensors["model.norm.weight"] == ((8,), "float32")
+    assert Manifest.from_dict(m.to_dict()) == m
+
+
+# ---- buckets -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
+def test_chunks_roundtrip_exactly(dtype):
+    t = _tensors(dtype=dtype)
+    chunks = make_chunks(t, bucket_bytes=300)
+    assert len(chunks) > 1
+    back = [item for c in chunks for item in deserialize_tensors(c)]
+    assert [n for n, _ in back] == [n for n, _ in t]
+    for (_, a), (_, b) in zip(t, back, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+
+
+def test_chunks_respect_bucket_size():
+    t = _tensors()
+    sizes = [a.nbytes for _, a in t]  # 512, 384, 32, 512, 4
+    chunks = make_chunks(t, bucket_bytes=520)
+    per_chunk = [sum(a.nbytes for _, a in deserialize_tensors(c)) for c in chunks]
+    assert sum(per_chunk) == sum(sizes)
+    assert all(s <= 520 for s in per_chunk)
+    assert list(iter_chunks(iter(t), 520)) == chunks
+    # one bucket when it fits; a tensor bigger than the bucket gets its own
+    assert len(make_chunks(t, bucket_bytes=10**6)) == 1
+    assert len(make_chunks(t, bucket_bytes=1)) == len(t)
+
+
+def test_safetensors_bytes_readable_by_safetensors_library():
+    from safetensors.numpy import load
+
+    t = _tensors()
+    loaded = load(serialize_tensors(t))
+    for n, a in t:
+        np.testing.assert_array_equal(loaded[n], a)
+
+
+def test_malformed_chunk_refused():
+    with pytest.raises(PublicationError, match="malformed"):
+        deserialize_tensors(b"\x01")
+    blob = bytearray(serialize_tensors(_tensors()))
+    with pytest.raises(PublicationError, match="malformed"):
+        deserialize_tensors(bytes(blob[:-10]))  # truncated data
+
+
+# ---- receiver: success ---------------------------------------------------------------------------
+def test_receiver_commits_exact_tensors():
+    t = _tensors()
+    rx = PublicationReceiver(_expected(t))
+    got = _transaction(rx, 3, t)
+    assert set(got) == {n for n, _ in t}
+    for n, a in t:
+        assert got[n].tobytes() == a.tobytes() and got[n].shape == a.shape
+    assert rx.committed_version == 3 and rx.in_progress is None
+    # next version with other values
+    t2 = _tensors(seed=1)
+    got2 = _transaction(rx, 4, t2)
+    assert got2["lm_head.weight"].tobytes() == t2[3][1].tobytes()
+    assert rx.committed_version == 4
+
+
+# ---- receiver: refusals --------------------------------------------------------------------------
+def _fresh(t=None):
+    t = t or _tensors()
+    return PublicationReceiver(_expected(t)), t
+
+
+def test_refuses_wrong_version():
+    rx, t = _fresh()
+    m = Manifest.build(2, t)
+    with pytest.raises(PublicationError, match="manifest for version 2"):
+        rx.begin(3, m)
+    rx.begin(2, m)
+    chunks = make_chunks(t, 10**6)
+    with pytest.raises(PublicationError, match="version 5"):
+        rx.add_chunk(5, chunks[0])
+    # the refusal aborted the transaction
+    with pytest.raises(PublicationError, match="without begin"):
+        rx.add_chunk(2, chunks[0])
+    rx.begin(2, m)
+    rx.add_chunk(2, chunks[0])
+    with pytest.raises(PublicationError, match="version 1"):
+        rx.finish(1, m.count, m.digest)
+    assert rx.committed_version is None
+
+
+def test_refuses_stale_version():
+    rx, t = _fresh()
+    _transaction(rx, 5, t)
+    for v in (5, 4):
+        with pytest.raises(PublicationError, match="not newer"):
+            rx.begin(v, Manifest.build(v, t))
+    assert rx.committed_version == 5
+
+
+def test_refuses_unknown_tensor():
+    rx, t = _fresh()
+    extra = t + [("model.layers.9.mlp.up_proj.weight", np.zeros((2, 2), np.float32))]
+    with pytest.raises(PublicationError, match="unknown tensor model.layers.9"):
+        rx.begin(1, Manifest.build(1, extra))
+    # smuggled in a chunk although not in the manifest
+    m = Manifest.build(1, t)
+    rx.begin(1, m)
+    with pytest.raises(PublicationError, match="not in the manifest"):
+        rx.add_chunk(1, serialize_tensors(extra[-1:]))
+
+
+def test_refuses_missing_tensor():
+    rx, t = _fresh()
+    with pytest.raises(PublicationError, match="missing tensor model.norm.weight"):
+        rx.begin(1, Manifest.build(1, [x for x in t if x[0] != "model.norm.weight"]))
+    # manifest complete, but a chunk never arrives
+    m = Manifest.build(1, t)
+    rx.begin(1, m)
+    chunks = make_chunks(t, 1)
+    for c in chunks[:-1]:
+        rx.add_chunk(1, c)
+    with pytest.raises(PublicationError, match="received 4 tensors, expected 5"):
+        rx.finish(1, m.count, m.digest)
+    assert rx.committed_version is None
+
+
+def test_refuses_wrong_shape():
+    rx, t = _fresh()
+    bad = [(n, a.reshape(-1) if n == "lm_head.weight" else a) for n, a in t]
+    with pytest.raises(PublicationError, match=r"lm_head.weight has shape \(128,\)"):
+        rx.begin(1, Manifest.build(1, bad))
+    # manifest claims the right shape, the chunk carries another
+    m = Manifest.build(1, t)
+    rx.begin(1, m)
+    with pytest.raises(PublicationError, match="shape"):
+        rx.add_chunk(1, serialize_tensors([("lm_head.weight", t[3][1][:8])]))
+
+
+def test_refuses_wrong_dtype():
+    rx, t = _fresh()
+    bad = [(n, a.astype(BF16)) for n, a in t]
+    with pytest.raises(PublicationError, match="dtype bfloat16, expected float32"):
+        rx.begin(1, Manifest.build(1, bad))
+    m = Manifest.build(1, t)
+    rx.begin(1, m)
+    with pytest.raises(PublicationError, match="dtype float16"):
+        rx.add_chunk(1, serialize_tensors([("model.norm.weight", t[2][1].astype(np.float16))]))
+
+
+def test_refuses_digest_mismatch():
+    rx, t = _fresh()
+    m = Manifest.build(1, t)
+    # a byte flipped in transit (in the data region of the last chunk)
+    chunks = [bytearray(c) for c in make_chunks(t, 300)]
+    chunks[-1][-1] ^= 0x40
+    rx.begin(1, m)
+    for c in chunks:
+        rx.add_chunk(1, bytes(c))
+    with pytest.raises(PublicationError, match="digest mismatch"):
+        rx.finish(1, m.count, m.digest)
+    # finish called with another digest than the manifest's
+    with pytest.raises(PublicationError, match="differs from the manifest"):
+        _transaction(rx, 1, t, digest="0" * 64)
+    assert rx.committed_version is None
+
+
+def test_refuses_count_mismatch():
+    rx, t = _fresh()
+    with pytest.raises(PublicationError, match="count 4"):
+        _transaction(rx, 1, t, count=4)
+    m = Manifest.build(1, t)
+    lying = Manifest(m.version, m.tensors, 6, m.digest, m.total_bytes)
+    with pytest.raises(PublicationError, match="manifest count 6"):
+        rx.begin(1, lying)
+    assert rx.committed_version is None
+
+
+def test_refuses_duplicate_tensor():
+    rx, t = _fresh()
+    m = Manifest.build(1, t)
+    rx.begin(1, m)
+    rx.add_chunk(1, serialize_tensors(t[:1]))
+    with pytest.raises(PublicationError, match="received twice"):
+        rx.add_chunk(1, serialize_tensors(t[:1]))
+
+
+def test_receiver_recovers_after_refusal():
+    rx, t = _fresh()
+    with pytest.raises(PublicationError):
+        _transaction(rx, 1, t, digest="f" * 64)
+    got = _transaction(rx, 1, t)
+    assert rx.committed_version == 1 and len(got) == len(t)
+
+
+def test_publication_module_imports_no_jax_or_torch():
+    """publication.py and engine.py must stay importable in engine processes (no jax / torch)."""
+    root = pathlib.Path(pub.__file__).parent
+    for name in ("publication.py", "engine.py", "types.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                mods.add(node.module.split(".")[0])
+        assert not mods & {"jax", "flax", "torch", "vllm"}, (name, mods)
