@@ -2,9 +2,10 @@
 
     python -m conversion.from_hf --hf-dir DIR --out CKPT [--dtype auto|bfloat16|float32]
 
---dtype auto (default) keeps the checkpoint's dtype, so a bf16 model converts in about 1x its size
-of RAM plus one tensor. Writes into a temporary directory beside CKPT and renames it at the end:
-an error leaves nothing behind (one "error: ..." line on stderr, exit code 2).
+--dtype auto (default) keeps the checkpoint's dtype (never upcasts): peak RAM is the model plus
+its largest parameter or two (measured: 1.4x for a 1.3 GB bf16 checkpoint, above the ~0.3 GB the
+interpreter and libraries take). Writes into a temporary directory beside CKPT and renames it at
+the end: an error leaves nothing behind (one "error: ..." line on stderr, exit code 2).
 """
 
 from __future__ import annotations
