@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxloop import safetensors_format as st
 from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_param
@@ -42,16 +41,6 @@ TOKENIZER_FILES = (
 )
 ROLE_KEY = "jaxloop_role"
 
-_ST_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
 
 class CheckpointError(ValueError):
     """An HF checkpoint does not match the model it claims to be."""
@@ -60,41 +49,14 @@ class CheckpointError(ValueError):
 # ---- safetensors files
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one safetensors file, memory-mapped (no full read)."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(
-                f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}"
-            )
-        start, end = info["data_offsets"]
-        arr = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-        yield name, arr
+    try:
+        yield from st.read_file(path)
+    except st.FormatError as e:
+        raise CheckpointError(f"{Path(path).name}: {e}") from e
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None) -> None:
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for name, arr in tensors.items():
-        nbytes = arr.nbytes
-        header[name] = {
-            "dtype": _ST_NAMES[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
+    st.write_file(path, tensors, metadata)
 
 
 def checkpoint_files(hf_dir: Path) -> list[Path]:

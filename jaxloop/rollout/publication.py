@@ -9,8 +9,7 @@ the publisher computed. Anything else raises `PublicationError` and nothing is h
 engine keeps serving its previous version.
 
 numpy + ml_dtypes only: importable by the JAX trainer and by engine processes (no jax, no torch).
-The safetensors byte format is written and read here by hand because `safetensors.numpy` cannot
-load bfloat16.
+The safetensors byte format comes from jaxloop.safetensors_format (bfloat16 included).
 """
 
 from __future__ import annotations
@@ -23,25 +22,10 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 
+from jaxloop import safetensors_format as st
 from jaxloop.rollout.engine import PublicationError
-
-# safetensors dtype tag <-> numpy dtype; dtype *names* (str(np.dtype)) are what manifests carry.
-_ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_ST_TAGS: dict[np.dtype, str] = {v: k for k, v in _ST_DTYPES.items()}
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -53,7 +37,7 @@ def dtype_name(dtype) -> str:
 
 def _as_array(name: str, value) -> np.ndarray:
     arr = np.asarray(value)
-    if arr.dtype not in _ST_TAGS:
+    if arr.dtype not in st.TAGS:
         raise PublicationError(f"tensor {name}: dtype {arr.dtype} cannot be published")
     return arr
 
@@ -142,57 +126,18 @@ class Manifest:
 # ---- safetensors buckets -------------------------------------------------------------------------
 def serialize_tensors(tensors: Iterable[tuple[str, np.ndarray]]) -> bytes:
     """One safetensors blob (8-byte header length, JSON header, raw little-endian data)."""
-    items = [(name, np.ascontiguousarray(_as_array(name, value))) for name, value in tensors]
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, arr in items:
-        if name in header:
-            raise PublicationError(f"tensor {name} appears twice")
-        header[name] = {
-            "dtype": _ST_TAGS[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    parts = [struct.pack("<Q", len(blob)), blob]
-    parts += [memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items]  # one copy
-    return b"".join(parts)
+    items = [(name, _as_array(name, value)) for name, value in tensors]
+    try:
+        return st.serialize(items)
+    except st.FormatError as e:
+        raise PublicationError(str(e)) from e
 
 
 def deserialize_tensors(data: bytes) -> list[tuple[str, np.ndarray]]:
     """Parse a safetensors blob into zero-copy views of `data`; malformed -> PublicationError."""
     try:
-        if len(data) < 8:
-            raise ValueError("shorter than its 8-byte header length")
-        (header_len,) = struct.unpack("<Q", data[:8])
-        if 8 + header_len > len(data):
-            raise ValueError("header runs past the end")
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        body = memoryview(data)[8 + header_len :]
-        out = []
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            tag = info["dtype"]
-            if tag not in _ST_DTYPES:
-                raise ValueError(f"tensor {name} has unsupported dtype {tag}")
-            dtype = _ST_DTYPES[tag]
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-            if not 0 <= start <= end <= len(body):
-                raise ValueError(f"tensor {name} has data offsets out of range")
-            if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-                raise ValueError(f"tensor {name}: {end - start} bytes do not fit shape {shape}")
-            arr = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
-            out.append((name, arr))
-        return out
-    except PublicationError:
-        raise
-    except (ValueError, KeyError, TypeError, struct.error) as e:
+        return st.parse(memoryview(data))
+    except st.FormatError as e:
         raise PublicationError(f"malformed chunk: {e}") from e
 
 
