@@ -2,8 +2,6 @@
 input, with a manifest that matches the rollout, within the token budget."""
 
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,29 +16,22 @@ from jaxloop.rl.learner import Learner, LearnerConfig, build_rollout_arrays
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
+from tests.train.helpers import run_train
 
 
 def test_features_written_and_correct(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.train",
-        "--config",
+    run_train(
+        run_dir,
         "grpo.py",
-        f"--config.run_dir={run_dir}",
         "--config.total_updates=2",
         "--config.prompts_per_update=4",
         "--config.n_samples_per_prompt=2",
         "--config.rollout.max_new_tokens=3",
         "--config.progress=false",
-        "--config.checkpoint_every=1",
-        "--config.keep_checkpoints=3",
         "--config.draft_features.enabled=true",
         "--config.draft_features.max_tokens_per_update=20",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    )
     fdir = run_dir / "draft_features"
     assert sorted(p.name for p in fdir.iterdir()) == [
         "update_000000.json",

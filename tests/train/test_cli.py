@@ -3,26 +3,13 @@ non-finite rewards are dropped and counted; training starts from an HF directory
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
 from jaxloop.train import main
-
-TINY = [
-    "--config.model.hidden_size=32",
-    "--config.model.intermediate_size=64",
-    "--config.model.num_layers=1",
-    "--config.model.head_dim=16",
-    "--config.prompts_per_update=4",
-    "--config.n_samples_per_prompt=2",
-    "--config.micro_batch_size=8",
-    "--config.eval_prompts=8",
-    "--config.progress=false",
-]
+from tests.train.helpers import TINY, run_train
 
 
 def _run_main(capsys, *argv):
@@ -78,21 +65,13 @@ def nan_for_odd_seeds(response: str, label: str) -> float:
 
 
 def test_nan_rewards_dropped_and_counted(tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.train",
-        "--config",
+    rows = run_train(
+        tmp_path / "run",
         "ppo.py",
-        f"--config.run_dir={run_dir}",
         "--config.total_updates=2",
         *TINY,
         "--config.data.reward=tests.train.test_cli:nan_for_odd_seeds",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    )
     assert len(rows) == 2
     for row in rows:
         assert row["dropped_samples"] + row["num_samples"] == 8
@@ -105,19 +84,13 @@ def test_train_from_hf_dir(tmp_path):
     model = LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
     save_hf(model, tmp_path / "hf", dtype="float32")
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.train",
-        "--config",
+    rows = run_train(
+        run_dir,
         "grpo.py",
-        f"--config.run_dir={run_dir}",
         "--config.total_updates=1",
         *TINY,
         f"--config.model.hf_dir={tmp_path / 'hf'}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    )
     stored = json.loads((run_dir / "actor_config.json").read_text())
     assert stored["model_type"] == "ouro" and stored["total_ut_steps"] == 4
-    assert len(open(run_dir / "metrics.jsonl").readlines()) == 1
+    assert len(rows) == 1

@@ -1,53 +1,33 @@
 """Fresh-process resume is bitwise: 3 updates straight == 2 updates, then a new process for the
 third. Params, optimizer states, critic, sampled tokens and losses are compared bit for bit."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-TINY = [
-    "--config.model.hidden_size=32",
-    "--config.model.intermediate_size=64",
-    "--config.model.num_layers=1",
-    "--config.model.head_dim=16",
-    "--config.prompts_per_update=4",
-    "--config.n_samples_per_prompt=2",
+from tests.train.helpers import TINY, read_rows, run_train
+
+RESUME = (
+    *TINY,
     "--config.micro_batch_size=4",
     "--config.rollout.max_new_tokens=3",
     "--config.eval_every=2",
-    "--config.eval_prompts=8",
     "--config.checkpoint_every=1",
     "--config.keep_checkpoints=5",
     "--config.total_updates=3",
-    "--config.progress=false",
     "--config.data.reward=tests.train.rewards:char_code_reward",
-]
+)
 VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
 
 
 def _train(run_dir, algorithm, *extra, env):
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.train",
-        "--config",
-        f"{algorithm}.py",
-        f"--config.run_dir={run_dir}",
-        *TINY,
-        *extra,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_train(run_dir, f"{algorithm}.py", *RESUME, *extra, env=env)
 
 
 def _metrics(run_dir):
-    lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [{k: v for k, v in d.items() if not k.startswith(VOLATILE)} for d in lines]
+    return [{k: v for k, v in d.items() if not k.startswith(VOLATILE)} for d in read_rows(run_dir)]
 
 
 def _checkpoint_arrays(run_dir, step):

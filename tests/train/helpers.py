@@ -1,0 +1,39 @@
+"""Running `python -m jaxloop.train` in a fresh process, as a user would."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# A small model and batch for tests that only need the loop to run.
+TINY = (
+    "--config.model.hidden_size=32",
+    "--config.model.intermediate_size=64",
+    "--config.model.num_layers=1",
+    "--config.model.head_dim=16",
+    "--config.prompts_per_update=4",
+    "--config.n_samples_per_prompt=2",
+    "--config.micro_batch_size=8",
+    "--config.eval_prompts=8",
+    "--config.progress=false",
+)
+
+
+def run_train(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
+    """Train in a subprocess; asserts exit code 0 and returns the metrics rows."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxloop.train",
+        "--config",
+        config,
+        f"--config.run_dir={run_dir}",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_rows(run_dir)
+
+
+def read_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
