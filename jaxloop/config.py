@@ -250,6 +250,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             raise UsageError(f"{key} must be >= 1 (got {cfg[key]})")
     if cfg.rollout.temperature <= 0:
         raise UsageError("rollout.temperature must be > 0")
+    if cfg.rollout.transport not in ("object_store", "disk"):
+        raise UsageError(
+            f"rollout.transport={cfg.rollout.transport!r}; expected 'object_store' or 'disk'"
+        )
+    for key in ("num_engines", "publish_bucket_mb"):
+        if cfg.rollout[key] < 1:
+            raise UsageError(f"rollout.{key} must be >= 1 (got {cfg.rollout[key]})")
     if cfg.optim.name not in ("adamw", "sgd"):
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):

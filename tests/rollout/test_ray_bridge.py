@@ -1,0 +1,400 @@
+"""The Ray rollout bridge with JAX engine actors (no vLLM needed): bitwise parity with the
+in-process producer, transactional publication through the bridge, and engine restarts.
+
+Bitwise parity holds when the in-process batch and each engine's part pad to the same batch
+shape (the JAX sampler pads batches to multiples of 8); otherwise tokens are equal and log-probs
+agree to ~1 ulp (XLA CPU rounds differently at another batch shape).
+
+One local Ray cluster for the module (started by the module's RayRolloutClient, i.e. the
+default `ray.init()` path), two engine actors. The reference is the in-process RolloutProducer
+around a JaxSamplerEngine of the same weights, driven with the same seeds and data cursor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+from flax import nnx
+
+from jaxloop.config import base_config
+from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+from jaxloop.rollout.producer import RolloutProducer
+from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors
+from jaxloop.rollout.ray_bridge import RayRolloutClient, split_evenly
+from jaxloop.train import build_actor, producer_settings
+
+pytestmark = pytest.mark.slow
+
+TIMINGS: dict[str, float] = {}
+
+
+def _cfg(seed: int = 0):
+    cfg = base_config()
+    cfg.seed = seed
+    cfg.model.hidden_size = 32
+    cfg.model.intermediate_size = 64
+    cfg.model.num_layers = 1
+    cfg.model.head_dim = 16
+    # 8 requests: the in-process engine runs one batch of 8, each engine actor 4 padded to 8.
+    # (The JAX sampler's log-probs are bitwise a function of the row *and* the padded batch
+    # shape: XLA CPU rounds differently at batch 16 vs 8, by ~1 ulp; see the 12-request check.)
+    cfg.prompts_per_update = 4
+    cfg.n_samples_per_prompt = 2
+    cfg.rollout.max_new_tokens = 4
+    cfg.rollout.num_engines = 2
+    cfg.eval_prompts = 6
+    cfg.data.reward = "tests.train.rewards:char_code_reward"  # imported inside the manager
+    return cfg
+
+
+class Bridge:
+    def __init__(self):
+        cfg = _cfg()
+        self.actor = build_actor(cfg)
+        self.settings = producer_settings(cfg, requires_groups=True)
+        self.policies = {
+            "A": nnx.split(self.actor)[1],
+            "B": nnx.split(build_actor(_cfg(seed=1)))[1],
+        }
+        start = time.perf_counter()
+        self.client = RayRolloutClient(cfg, self.actor, self.settings, engine_kind="jax")
+        self.client.bucket_bytes = 16 << 10  # several buckets per publication of this tiny model
+        TIMINGS["client_start_s"] = time.perf_counter() - start
+        TIMINGS.update({k: v for k, v in self.client.timings.items()})
+        self.next_version = 0
+        self.serving: str | None = None
+        self.refs: dict[str, RolloutProducer] = {}
+
+    def serve(self, which: str):
+        """Publish policy `which` as the next version; returns its PublishStats."""
+        stats = self.client.publish(self.policies[which], self.next_version)
+        self.next_version += 1
+        self.serving = which
+        return stats
+
+    def reference(self, which: str) -> RolloutProducer:
+        """An in-process producer serving policy `which` (its own data cursor)."""
+        if which not in self.refs:
+            producer = RolloutProducer(self.settings, JaxSamplerEngine(build_actor(_cfg())))
+            producer.publish(self.policies[which], 0)
+            self.refs[which] = producer
+        return self.refs[which]
+
+    def reference_produce(self, which: str, cursor: dict, update: int):
+        ref = self.reference(which)
+        ref.restore(cursor)
+        return ref.produce(update)
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    b = Bridge()
+    yield b
+    b.client.close()
+    assert not ray.is_initialized()  # the client shut down the cluster it started
+    print("\nray bridge timings:", {k: float(f"{v:.3g}") for k, v in TIMINGS.items()})
+
+
+def assert_same_samples(got, want):
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.response_ids == w.response_ids
+        assert np.asarray(g.response_logprobs, np.float32).tobytes() == (
+            np.asarray(w.response_logprobs, np.float32).tobytes()
+        )
+        assert (g.prompt_ids, g.seed, g.group_id, g.sample_index) == (
+            w.prompt_ids,
+            w.seed,
+            w.group_id,
+            w.sample_index,
+        )
+        assert (g.finish_reason, g.reward, g.response_text, g.label) == (
+            w.finish_reason,
+            w.reward,
+            w.response_text,
+            w.label,
+        )
+
+
+def strip(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k != "engine_restarts"}
+
+
+def test_driver_imports_neither_torch_nor_vllm():
+    code = (
+        "import sys, jaxloop.train, jaxloop.rollout.ray_bridge; "
+        "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_split_evenly():
+    assert split_evenly(12, 2) == [(0, 6), (6, 12)]
+    assert split_evenly(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert split_evenly(1, 2) == [(0, 1), (1, 1)]
+
+
+def test_bridge_matches_in_process_producer(bridge, tmp_path):
+    client = bridge.client
+    stats = bridge.serve("A")
+    assert stats.num_tensors == len(client.expected) and stats.num_bytes > 0
+    TIMINGS["publish_s"] = stats.seconds
+    # both engines generate a part of the batch
+    for i in range(2):
+        ray.get(client.manager.set_debug.remote(i, marker_dir=str(tmp_path)))
+    for update in (0, 1):
+        cursor = client.state()
+        samples, stats = client.produce(update)
+        want, want_stats = bridge.reference_produce("A", cursor, update)
+        assert_same_samples(samples, want)
+        assert strip(stats) == want_stats and stats["engine_restarts"] == 0.0
+        assert all(s.policy_version == bridge.next_version - 1 for s in samples)
+        assert len({s.group_id for s in samples}) == 4 and stats["reward_std"] > 0
+    markers = sorted(p.read_text() for p in tmp_path.glob("generate-*"))
+    assert markers == ["4", "4"]  # two engine processes, four requests each
+    for i in range(2):
+        ray.get(client.manager.set_debug.remote(i))
+    assert client.evaluate() == bridge.reference("A").evaluate()
+    # the data cursor lives in the manager and round-trips
+    cursor = client.state()
+    client.restore(cursor)
+    assert client.state() == cursor == bridge.reference("A").state()
+    # 12 requests: in-process batch 16, engine parts 6 + 6 (batch 8 each): the same tokens, and
+    # log-probs equal up to XLA's batch-shape-dependent rounding (fp32, 1e-6 absolute)
+    ref = bridge.reference("A")
+    requests = ref.requests(9)[:8] + ref.requests(10)[:4]
+    got = ray.get(client.manager.generate.remote(requests, ref.sampling))
+    want = ref.engine.generate(requests, ref.sampling)
+    assert [g.response_ids for g in got] == [w.response_ids for w in want]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.response_logprobs, w.response_logprobs, rtol=0, atol=1e-6)
+        assert (g.seed, g.sample_index) == (w.seed, w.sample_index)
+
+
+def _versions(client) -> list[int]:
+    return [h["version"] for h in client.health()]
+
+
+def _refused(client, manifest, chunks, match, **kw):
+    with pytest.raises(PublicationError, match=match):
+        client.publish_prepared(manifest, chunks, **kw)
+
+
+def test_publication_through_bridge_and_refusals(bridge):
+    client = bridge.client
+    bridge.serve("A")
+    cursor = client.state()
+    on_a, _ = client.produce(5)
+    bridge.serve("B")
+    served = bridge.next_version - 1
+    assert _versions(client) == [served, served]
+    client.restore(cursor)
+    on_b, _ = client.produce(5)
+    assert_same_samples(on_b, bridge.reference_produce("B", cursor, 5)[0])
+    # the comparison has power: the two policies sample differently
+    assert [s.response_ids for s in on_a] != [s.response_ids for s in on_b]
+
+    tensors = client.hf_tensors(bridge.policies["A"])
+    version = bridge.next_version
+    manifest = Manifest.build(version, tensors)
+    chunks = make_chunks(tensors, client.bucket_bytes)
+    assert len(chunks) > 1
+    # wrong digest at finish
+    _refused(client, manifest, chunks, "digest differs", digest="0" * 64)
+    # a byte of one tensor changed in transit: the digest of what arrived differs
+    name, arr = tensors[3]
+    bad = arr.copy()
+    bad.reshape(-1)[0] += 1.0
+    tampered = [serialize_tensors([(n, bad if n == name else a) for n, a in tensors])]
+    _refused(client, manifest, tampered, "digest mismatch")
+    # a tensor missing from the chunks, and one missing from the manifest
+    _refused(client, manifest, make_chunks(tensors[1:], client.bucket_bytes), "received|missing")
+    short = Manifest.build(version, tensors[1:])
+    _refused(client, short, make_chunks(tensors[1:], client.bucket_bytes), "missing tensor")
+    # a tensor of the wrong shape, and a stale version
+    wrong = [(n, a[:1] if n == name else a) for n, a in tensors]
+    _refused(client, Manifest.build(version, wrong), make_chunks(wrong, 1 << 20), "shape")
+    stale = Manifest.build(served, tensors)
+    _refused(client, stale, make_chunks(tensors, 1 << 20), "not newer")
+
+    # every engine still serves B at the old version
+    assert _versions(client) == [served, served]
+    assert client.version == served
+    client.restore(cursor)
+    again, stats = client.produce(5)
+    assert_same_samples(again, on_b)
+    assert all(s.policy_version == served for s in again)
+    assert stats["engine_restarts"] == 0.0
+
+    # and the receivers are not stuck: the next good publication (through files) commits
+    client.transport = "disk"
+    try:
+        bridge.serve("A")
+    finally:
+        client.transport = "object_store"
+    assert _versions(client) == [version, version]
+    client.restore(cursor)
+    assert_same_samples(client.produce(5)[0], on_a)
+
+
+def test_engine_killed_mid_rollout_is_restarted(bridge, tmp_path):
+    client = bridge.client
+    bridge.serve("B")
+    served = bridge.next_version - 1
+    cursor = client.state()
+    undisturbed, stats0 = client.produce(7)
+    restarts = client.stats()["engine_restarts"]
+
+    client.restore(cursor)
+    ray.get(client.manager.set_debug.remote(1, generate_delay_s=120.0, marker_dir=str(tmp_path)))
+    pid = client.health()[1]["pid"]
+    start = time.perf_counter()
+    pending = client.manager.produce.remote(7)
+    marker = tmp_path / f"generate-{pid}"
+    while not marker.exists():  # engine 1 has started generating its part
+        assert time.perf_counter() - start < 120, "engine 1 never started generating"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    samples, stats = ray.get(pending)
+    TIMINGS["restart_and_regenerate_s"] = time.perf_counter() - start
+    assert stats["engine_restarts"] == restarts + 1 == client.stats()["engine_restarts"]
+    assert_same_samples(samples, undisturbed)
+    assert strip(stats) == strip(stats0)
+    health = client.health()
+    assert health[1]["pid"] != pid and health[0]["pid"] != pid
+    assert [h["version"] for h in health] == [served, served]
+    assert all(s.policy_version == served for s in samples)
+    # the restarted engine takes later publications like the others
+    bridge.serve("A")
+    assert _versions(client) == [served + 1, served + 1]
+
+
+def test_publish_bandwidth_is_reported(bridge):
+    stats = bridge.serve("B")
+    assert stats.num_bytes == sum(
+        a.nbytes for _, a in bridge.client.hf_tensors(bridge.policies["B"])
+    )
+    assert stats.seconds > 0 and stats.gb_per_s == pytest.approx(
+        stats.num_bytes / stats.seconds / 1e9
+    )
+    assert bridge.client.publish_history[-1] == stats
+    TIMINGS["publish_gb_per_s"] = stats.gb_per_s
+    assert dataclasses.asdict(stats)["version"] == bridge.next_version - 1
+
+
+# ---- a vLLM engine actor behind the same bridge ----------------------------------------------
+class VLLMBridge:
+    """One vLLM engine actor (head_dim 32) in the module's cluster (joined, not started)."""
+
+    def __init__(self):
+        cfg = _cfg()
+        cfg.model.hidden_size = 64
+        cfg.model.head_dim = 32
+        cfg.rollout.engine = "vllm"
+        cfg.rollout.num_engines = 1
+        self.models = {"A": build_actor(cfg), "B": build_actor(_cfg_seed(cfg, 1))}
+        for model in self.models.values():  # sharpen: the default init gives ~uniform log-probs
+            for name, scale in (("q_proj", 8.0), ("k_proj", 8.0), ("v_proj", 4.0)):
+                param = getattr(model.blocks, name)
+                param[...] = param[...] * scale
+            model.lm_head[...] = model.lm_head[...] * 40.0
+        self.policies = {k: nnx.split(m)[1] for k, m in self.models.items()}
+        self.settings = producer_settings(cfg, requires_groups=True)
+        start = time.perf_counter()
+        self.client = RayRolloutClient(cfg, self.models["A"], self.settings)
+        TIMINGS["vllm_client_start_s"] = time.perf_counter() - start
+        TIMINGS["vllm_engine_start_s"] = self.client.timings["engine_start_s"]
+
+
+def _cfg_seed(cfg, seed):
+    other = cfg.copy_and_resolve_references()
+    other.seed = seed
+    return other
+
+
+def _engine_modules() -> set[str]:
+    return {m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")}
+
+
+@pytest.fixture(scope="module")
+def vllm_bridge(bridge):
+    before = _engine_modules()
+    b = VLLMBridge()
+    yield b
+    assert _engine_modules() == before  # vLLM and torch stayed inside the engine actor
+    b.client.close()
+    assert ray.is_initialized()  # it joined the module's cluster: not its to shut down
+
+
+def _max_logprob_error(model, samples) -> float:
+    """|engine log-prob - JAX log_softmax(logits)| over every sampled token (temperature 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    worst = 0.0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        lp = jax.nn.log_softmax(model(jnp.asarray([ids], jnp.int32))[0], axis=-1)
+        pos = len(s.prompt_ids) - 1 + np.arange(len(s.response_ids))
+        ref = np.asarray(lp)[pos, np.asarray(s.response_ids)]
+        worst = max(worst, float(np.abs(ref - np.asarray(s.response_logprobs)).max()))
+    return worst
+
+
+def test_vllm_engine_behind_bridge(vllm_bridge, tmp_path):
+    client = vllm_bridge.client
+    assert client.transport == "object_store"
+    stats = client.publish(vllm_bridge.policies["A"], 0)
+    TIMINGS["vllm_publish_s"] = stats.seconds
+    cursor = client.state()
+    on_a, _ = client.produce(0)
+    err_a = _max_logprob_error(vllm_bridge.models["A"], on_a)
+    client.publish(vllm_bridge.policies["B"], 1)
+    client.restore(cursor)
+    on_b, _ = client.produce(0)
+    err_b = _max_logprob_error(vllm_bridge.models["B"], on_b)
+    TIMINGS["vllm_logprob_max_err"] = max(err_a, err_b)
+    spread = np.ptp([lp for s in on_a + on_b for lp in s.response_logprobs])
+    assert spread > 1.0  # the log-probs vary: the comparison below is not between constants
+    assert max(err_a, err_b) < 1e-4  # fp32 engine vs the JAX model on the same weights
+    assert [s.response_ids for s in on_a] != [s.response_ids for s in on_b]
+    assert all(s.policy_version == 1 for s in on_b)
+
+    # a refused publication (wrong digest; then a missing tensor) leaves B serving
+    tensors = client.hf_tensors(vllm_bridge.policies["A"])
+    manifest = Manifest.build(2, tensors)
+    _refused(client, manifest, make_chunks(tensors, 1 << 20), "digest", digest="f" * 64)
+    _refused(client, manifest, make_chunks(tensors[:-1], 1 << 20), "received|missing")
+    assert _versions(client) == [1] and client.version == 1
+    client.restore(cursor)
+    again, _ = client.produce(0)
+    assert [s.response_ids for s in again] == [s.response_ids for s in on_b]
+    assert all(s.policy_version == 1 for s in again)
+
+    # killed mid-rollout: restarted from the committed chunks, same samples
+    ray.get(client.manager.set_debug.remote(0, generate_delay_s=120.0, marker_dir=str(tmp_path)))
+    pid = client.health()[0]["pid"]
+    client.restore(cursor)
+    start = time.perf_counter()
+    pending = client.manager.produce.remote(0)
+    while not (tmp_path / f"generate-{pid}").exists():
+        assert time.perf_counter() - start < 120, "the engine never started generating"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    samples, stats = ray.get(pending)
+    TIMINGS["vllm_restart_and_regenerate_s"] = time.perf_counter() - start
+    assert stats["engine_restarts"] == 1.0
+    assert [s.response_ids for s in samples] == [s.response_ids for s in on_b]
+    for s, w in zip(samples, on_b, strict=True):
+        np.testing.assert_allclose(s.response_logprobs, w.response_logprobs, rtol=0, atol=1e-5)
+    assert all(s.policy_version == 1 for s in samples)
+    assert client.health()[0]["pid"] != pid
