@@ -94,3 +94,58 @@ def test_train_from_hf_dir(tmp_path):
     stored = json.loads((run_dir / "actor_config.json").read_text())
     assert stored["model_type"] == "ouro" and stored["total_ut_steps"] == 4
     assert len(rows) == 1
+
+
+def test_jsonl_prompts_hf_tokenizer_math_reward(tmp_path):
+    from tests.data.test_tokenizer import _build_hf_tokenizer
+
+    tok_dir = _build_hf_tokenizer(tmp_path / "tok")
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"what is {a}+{a}?", "label": str(2 * a)} for a in range(1, 5)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    metrics = run_train(
+        run_dir,
+        "grpo.py",
+        "--config.total_updates=2",
+        *TINY,
+        "--config.model.vocab_size=320",
+        f"--config.data.source={data}",
+        f"--config.data.tokenizer={tok_dir}",
+        "--config.data.reward=math_verify",
+        "--config.data.max_prompt_tokens=64",
+        "--config.rollout.max_new_tokens=4",
+    )
+    assert len(metrics) == 2 and metrics[0]["num_samples"] == 8
+    assert metrics[0]["eval_reward"] is None  # a file source without eval_source has no eval
+
+
+def test_logprob_mismatch_stops_the_run(tmp_path, capsys):
+    code, err = _run_main(
+        capsys,
+        "--config",
+        "ppo.py",
+        *TINY,
+        f"--config.run_dir={tmp_path}",
+        "--config.rollout.max_logprob_diff=1e-12",
+    )
+    assert code == 3
+    assert "update 0" in err and "exceeds rollout.max_logprob_diff=1e-12" in err, err
+
+
+def test_half_written_checkpoint_is_not_resumed(tmp_path):
+    run_dir = tmp_path / "run"
+    common = (
+        *TINY,
+        "--config.total_updates=3",
+        "--config.checkpoint_every=1",
+        "--config.keep_checkpoints=5",
+    )
+    run_train(run_dir, "ppo.py", *common, "--config.stop_after=2")
+    # what a save killed half-way leaves: orbax's temporary directory for step 3
+    partial = run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000"
+    (partial / "actor_params").mkdir(parents=True)
+    (partial / "actor_params" / "garbage").write_bytes(b"\x00" * 16)
+    rows = run_train(run_dir, "ppo.py", *common)
+    assert [r["update"] for r in rows] == [0, 1, 2]
+    assert (run_dir / "checkpoints" / "3").is_dir()
