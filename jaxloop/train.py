@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxloop.checkpoint import TrainCheckpointer
-from jaxloop.config import DEFAULT_LOGPROB_DIFF, UsageError, parse_args
+from jaxloop.config import UsageError, default_logprob_diff, parse_args
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
@@ -216,7 +216,10 @@ class Trainer:
             "logprob_diff_max": float(diff.max()),
             "logprob_diff_mean": float(diff.sum() / max(arrays.response_mask.sum(), 1.0)),
         }
-        bound = self.cfg.rollout.max_logprob_diff or DEFAULT_LOGPROB_DIFF[self.cfg.rollout.engine]
+        rollout = self.cfg.rollout
+        bound = rollout.max_logprob_diff or default_logprob_diff(
+            rollout.engine, self.cfg.model.compute_dtype
+        )
         if stats["logprob_diff_max"] > bound:
             raise LogprobMismatchError(
                 f"update {update}: engine vs trainer log-prob difference "
