@@ -118,7 +118,9 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     assert [r["update"] for r in rows] == [0, 1]
     assert [r["policy_version"] for r in rows] == [0.0, 1.0]
     for r in rows:
-        assert r["logprob_diff_max"] <= default_logprob_diff("vllm", "float32"), r["logprob_diff_max"]
+        assert r["logprob_diff_max"] <= default_logprob_diff("vllm", "float32"), r[
+            "logprob_diff_max"
+        ]
         assert r["engine_restarts"] == 0.0
         assert r["num_samples"] == 8.0 and r["response_length"] > 0
         assert r["publish_gb_per_s"] > 0
