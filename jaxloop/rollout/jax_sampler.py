@@ -216,17 +216,8 @@ class JaxSamplerEngine:
                     length, reason = j + 1, "stop"
                     break
             samples.append(
-                Sample(
-                    prompt_ids=list(r.prompt_ids),
-                    response_ids=row[:length],
-                    response_logprobs=logprobs[i, :length].tolist(),
-                    finish_reason=reason,
-                    policy_version=self._version,
-                    seed=r.seed,
-                    group_id=r.group_id,
-                    sample_index=r.sample_index,
-                    label=r.label,
-                    prompt_text=r.prompt_text,
+                Sample.from_request(
+                    r, row[:length], logprobs[i, :length].tolist(), reason, self._version
                 )
             )
         return samples

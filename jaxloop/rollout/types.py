@@ -45,6 +45,28 @@ class Sample:
     reward: float | None = None
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def from_request(
+        cls,
+        request: PromptRequest,
+        response_ids: list[int],
+        response_logprobs: list[float],
+        finish_reason: str,
+        policy_version: int,
+    ) -> Sample:
+        return cls(
+            prompt_ids=list(request.prompt_ids),
+            response_ids=list(response_ids),
+            response_logprobs=list(response_logprobs),
+            finish_reason=finish_reason,
+            policy_version=policy_version,
+            seed=request.seed,
+            group_id=request.group_id,
+            sample_index=request.sample_index,
+            label=request.label,
+            prompt_text=request.prompt_text,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class PublishStats:

@@ -123,18 +123,7 @@ class VLLMEngine:
             if completion.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"request finished with {completion.finish_reason!r}")
             samples.append(
-                Sample(
-                    prompt_ids=list(req.prompt_ids),
-                    response_ids=ids,
-                    response_logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    policy_version=self._version,
-                    seed=req.seed,
-                    group_id=req.group_id,
-                    sample_index=req.sample_index,
-                    label=req.label,
-                    prompt_text=req.prompt_text,
-                )
+                Sample.from_request(req, ids, logprobs, completion.finish_reason, self._version)
             )
         return samples
 

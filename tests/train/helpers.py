@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # A small model and batch for tests that only need the loop to run.
@@ -17,10 +18,12 @@ TINY = (
     "--config.eval_prompts=8",
     "--config.progress=false",
 )
+# Metrics that measure time, not the computation: excluded from bitwise comparisons.
+VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
 
 
-def run_train(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
-    """Train in a subprocess; asserts exit code 0 and returns the metrics rows."""
+def train_process(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
+    """Train in a subprocess; asserts exit code 0; returns (CompletedProcess, seconds)."""
     cmd = [
         sys.executable,
         "-m",
@@ -30,10 +33,21 @@ def run_train(run_dir, config: str, *overrides: str, env=None, timeout: int = 60
         f"--config.run_dir={run_dir}",
         *overrides,
     ]
+    start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, time.perf_counter() - start
+
+
+def run_train(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
+    """Train in a subprocess and return the metrics rows."""
+    train_process(run_dir, config, *overrides, env=env, timeout=timeout)
     return read_rows(run_dir)
 
 
 def read_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]

@@ -7,7 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.train.helpers import TINY, read_rows, run_train
+from tests.train.helpers import TINY, read_rows, run_train, stable
 
 RESUME = (
     *TINY,
@@ -19,7 +19,6 @@ RESUME = (
     "--config.total_updates=3",
     "--config.data.reward=tests.train.rewards:char_code_reward",
 )
-VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
 
 
 def _train(run_dir, algorithm, *extra, env):
@@ -27,7 +26,7 @@ def _train(run_dir, algorithm, *extra, env):
 
 
 def _metrics(run_dir):
-    return [{k: v for k, v in d.items() if not k.startswith(VOLATILE)} for d in read_rows(run_dir)]
+    return stable(read_rows(run_dir))
 
 
 def _checkpoint_arrays(run_dir, step):
@@ -51,14 +50,6 @@ def _flatten(tree, prefix):
             yield from _flatten(v, f"{prefix}/{i}")
     elif tree is not None:
         yield prefix, tree
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return e
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dppo", "flow_dppo"])

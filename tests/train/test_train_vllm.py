@@ -8,17 +8,15 @@ bound, checkpoints are written. Resume: stop after 1 update, rerun, and the resu
 straight run's (same tokens, losses and rewards).
 """
 
-import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import ray
 
 from jaxloop.config import default_logprob_diff
+from tests.train.helpers import read_rows, stable, train_process
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +38,6 @@ TINY = [
     "--config.progress=false",
     "--config.data.reward=tests.train.rewards:char_code_reward",
 ]
-VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
 TIMINGS: dict[str, float] = {}
 
 
@@ -55,43 +52,17 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return e
-
-
-@pytest.fixture(scope="module")
 def straight_runs():
     return {}
 
 
 def _train(run_dir, algorithm, *extra, env, address=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.train",
-        "--config",
-        f"{algorithm}.py",
-        f"--config.run_dir={run_dir}",
-        *TINY,
-        *extra,
-    ]
-    if address is not None:
-        cmd += ["--config.rollout.engine=vllm", f"--config.rollout.ray_address={address}"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc, time.perf_counter() - start
-
-
-def _rows(run_dir):
-    return [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-def _stable(rows):
-    return [{k: v for k, v in d.items() if not k.startswith(VOLATILE)} for d in rows]
+    engine = (
+        ()
+        if address is None
+        else ("--config.rollout.engine=vllm", f"--config.rollout.ray_address={address}")
+    )
+    return train_process(run_dir, f"{algorithm}.py", *TINY, *extra, *engine, env=env, timeout=900)
 
 
 def _keys(rows):
@@ -114,7 +85,7 @@ def _vllm_run(tmp_path, algorithm, cluster, env, straight_runs):
 def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs):
     run_dir, stderr = _vllm_run(tmp_path, algorithm, cluster, env, straight_runs)
     assert "vllm engine(s) ready" in stderr
-    rows = _rows(run_dir)
+    rows = read_rows(run_dir)
     assert [r["update"] for r in rows] == [0, 1]
     assert [r["policy_version"] for r in rows] == [0.0, 1.0]
     for r in rows:
@@ -131,7 +102,7 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     # the embedded engine's metrics (1 update: eval and final eval in one row) for the keys
     embedded = tmp_path / f"{algorithm}_embedded"
     _train(embedded, algorithm, "--config.total_updates=1", env=env)
-    assert _keys(rows) == _keys(_rows(embedded)) | {"engine_restarts"}
+    assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts"}
 
 
 def test_resume_through_ray_vllm(tmp_path, cluster, env, straight_runs):
@@ -139,12 +110,12 @@ def test_resume_through_ray_vllm(tmp_path, cluster, env, straight_runs):
     straight, _ = _vllm_run(tmp_path, algorithm, cluster, env, straight_runs)
     resumed = tmp_path / "resumed"
     _train(resumed, algorithm, "--config.stop_after=1", env=env, address=cluster)
-    assert len(_rows(resumed)) == 1
+    assert len(read_rows(resumed)) == 1
     assert sorted(os.listdir(resumed / "checkpoints")) == ["1"]
     _, seconds = _train(resumed, algorithm, env=env, address=cluster)
     TIMINGS["resume_run_s"] = seconds
     assert sorted(os.listdir(resumed / "checkpoints")) == ["1", "2"]
-    a, b = _stable(_rows(straight)), _stable(_rows(resumed))
+    a, b = stable(read_rows(straight)), stable(read_rows(resumed))
     assert len(a) == len(b) == 2
     # same data cursor, seeds and policy after the restart: same tokens, rewards, losses
     assert a == b
