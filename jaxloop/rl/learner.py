@@ -299,7 +299,7 @@ class Learner:
             return loss, masked_metric_sums(metrics, x["mask"])
 
         grads, loss, sums = _accumulate(micro_loss, params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.actor_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
@@ -326,7 +326,7 @@ class Learner:
             {
                 "value_loss": loss,
                 "vf_clip_frac": s / jnp.maximum(c, 1.0),
-                "critic_grad_norm": optax.global_norm(grads),
+                "critic_grad_norm": optax.tree.norm(grads),
             },
         )
 
