@@ -107,6 +107,10 @@ def loss_hparams(cfg) -> LossHParams:
 
 def build_learner(cfg, actor: LoopedLM) -> Learner:
     algo = get_algorithm(cfg.algorithm)
+    try:
+        hparams = loss_hparams(cfg)
+    except ValueError as err:
+        raise UsageError(f"algo: {err}") from None
     steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
     o = cfg.optim
     total = cfg.total_updates * steps
@@ -134,7 +138,7 @@ def build_learner(cfg, actor: LoopedLM) -> Learner:
         whiten_advantages=cfg.algo.whiten_advantages,
         grpo_use_std=cfg.algo.grpo_use_std,
     )
-    return Learner(actor, critic, algo, loss_hparams(cfg), lcfg, actor_tx, critic_tx, reference)
+    return Learner(actor, critic, algo, hparams, lcfg, actor_tx, critic_tx, reference)
 
 
 # ---- the loop ----

@@ -59,14 +59,19 @@ class RolloutProducer:
         self.settings = settings
         self.engine = engine
         self.tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
-        self.source = make_source(settings.data)
+        try:
+            self.source = make_source(settings.data)
+            self.reward_fn = get_reward(settings.reward)
+        except DataError:
+            raise
+        except ValueError as err:  # unknown task or reward name: a usage error, one line
+            raise DataError(str(err)) from None
         if len(self.source) == 0:
             raise DataError(f"data source {settings.data.get('source')!r} is empty")
         self.eval_examples = make_eval_examples(settings.data, settings.eval_prompts)
         # fail before anything is written: every known prompt must fit the context
         for example in getattr(self.source, "examples", []) + self.eval_examples:
             self.encode(example.prompt)
-        self.reward_fn = get_reward(settings.reward)
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
         )
