@@ -85,6 +85,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.ray_address = ""
     c.rollout.publish_bucket_mb = 64
     c.rollout.transport = "object_store"  # or 'disk'
+    # Ray engines: seconds an engine may take to answer its part of a generate call; one that does
+    # not is killed, restarted with the committed policy and its part regenerated (health checks:
+    # min(120, this))
+    c.rollout.engine_timeout_s = 600.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # 'adamw' or 'sgd' (no momentum)
@@ -259,6 +263,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("num_engines", "publish_bucket_mb"):
         if cfg.rollout[key] < 1:
             raise UsageError(f"rollout.{key} must be >= 1 (got {cfg.rollout[key]})")
+    if not cfg.rollout.engine_timeout_s > 0:
+        raise UsageError(
+            f"rollout.engine_timeout_s must be > 0 (got {cfg.rollout.engine_timeout_s})"
+        )
     if cfg.optim.name not in ("adamw", "sgd"):
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):

@@ -12,9 +12,11 @@
   PublicationError and the engine keeps serving its previous committed version.
 - `EngineGroup` (inside the manager) implements the engine contract over N EngineActors: generate
   splits the requests into N contiguous parts (deterministic), gathers and reassembles them in
-  order. An engine that dies (also mid-rollout) is restarted in its placement-group bundle, receives
-  the committed policy again (the manager keeps the committed chunks) and its part is regenerated:
-  per-request seeds make the regenerated samples the same. `stats()` reports `engine_restarts`.
+  order. An engine that dies (also mid-rollout), or does not answer its part within
+  `generate_timeout_s` (`rollout.engine_timeout_s`: alive but hung), is killed, restarted in its
+  placement-group bundle, receives the committed policy again (the manager keeps the committed
+  chunks) and its part is regenerated: per-request seeds make the regenerated samples the same.
+  Health checks are bounded by `health_timeout_s`. `stats()` reports `engine_restarts`.
 - `RolloutManager`: holds the `RolloutProducer` (data cursor, seeds, rewards) whose engine is the
   group; produce / evaluate / state / restore run there.
 - `RayRolloutClient`: what train.py uses for `rollout.engine=vllm`. Starts a local Ray cluster or
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import sys
@@ -119,6 +122,7 @@ class EngineActor:
         start = time.perf_counter()
         self.spec = spec
         self._delay = 0.0
+        self._health_delay = 0.0
         self._marker_dir = ""
         if spec.kind == "jax":
             import jax.numpy as jnp
@@ -153,6 +157,8 @@ class EngineActor:
         return {"pid": os.getpid(), "start_seconds": self.start_seconds, "kind": self.spec.kind}
 
     def health(self) -> tuple[int | None, int]:
+        if self._health_delay > 0:
+            time.sleep(self._health_delay)
         return self.engine.version, os.getpid()
 
     def expected_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -195,10 +201,14 @@ class EngineActor:
             time.sleep(self._delay)
         return self.engine.generate(requests, sampling)
 
-    def set_debug(self, generate_delay_s: float = 0.0, marker_dir: str = "") -> None:
-        """Test hook: sleep before each generate, and touch `marker_dir/generate-<pid>` when a
-        generate call starts (so a test can kill the engine while it is generating)."""
+    def set_debug(
+        self, generate_delay_s: float = 0.0, marker_dir: str = "", health_delay_s: float = 0.0
+    ) -> None:
+        """Test hook: sleep before each generate (or health reply), and touch
+        `marker_dir/generate-<pid>` when a generate call starts (so a test can kill the engine
+        while it is generating, or let it hang past the group's timeout)."""
         self._delay = float(generate_delay_s)
+        self._health_delay = float(health_delay_s)
         self._marker_dir = marker_dir
 
     def close(self) -> None:
@@ -218,7 +228,13 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 class EngineGroup:
-    """The engine contract over N EngineActors placed in one placement group (a bundle each)."""
+    """The engine contract over N EngineActors placed in one placement group (a bundle each).
+
+    generate_timeout_s: seconds an engine may take to answer its part of a generate call (None: no
+    limit); an engine over it is treated as dead (killed, restarted, its part regenerated).
+    health_timeout_s: the same for a health check. ready_timeout_s: placement group, engine start
+    and the committed policy's re-delivery to a restarted engine.
+    """
 
     def __init__(
         self,
@@ -227,6 +243,7 @@ class EngineGroup:
         bundle: dict[str, float],
         *,
         max_restarts_per_call: int = 3,
+        generate_timeout_s: float | None = 600.0,
         health_timeout_s: float = 120.0,
         ready_timeout_s: float = 1800.0,
     ):
@@ -235,6 +252,7 @@ class EngineGroup:
         self.spec = spec
         self.bundle = dict(bundle)
         self.max_restarts_per_call = max_restarts_per_call
+        self.generate_timeout_s = generate_timeout_s
         self.health_timeout_s = health_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
@@ -302,38 +320,74 @@ class EngineGroup:
         )
 
     def _run(
-        self, call: Callable[[int, Any], Any], indices: Iterable[int]
+        self,
+        call: Callable[[int, Any], Any],
+        indices: Iterable[int],
+        timeout_s: float | None = None,
     ) -> dict[int, Any | BaseException]:
-        """call(index, handle) -> ObjectRef on each engine; an engine that dies is restarted and
-        the call repeated. Returns index -> result, or the (task) exception it raised."""
-        pending = {call(i, self.handles[i]): i for i in indices}
+        """call(index, handle) -> ObjectRef on each engine; an engine that dies, or (timeout_s)
+        does not answer within timeout_s seconds of the call, is killed, restarted and the call
+        repeated. Returns index -> result, or the (task) exception it raised."""
+        if timeout_s is not None and not math.isfinite(timeout_s):
+            timeout_s = None
+        pending: dict[Any, tuple[int, float]] = {}  # ref -> (engine index, deadline)
+
+        def submit(index: int) -> None:
+            deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+            pending[call(index, self.handles[index])] = (index, deadline)
+
+        for i in indices:
+            submit(i)
         attempts: dict[int, int] = {}
         results: dict[int, Any] = {}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            index = pending.pop(ready[0])
+            wait = None
+            if timeout_s is not None:
+                first = min(deadline for _, deadline in pending.values())
+                wait = max(0.0, first - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if ready:
+                index, _ = pending.pop(ready[0])
+                try:
+                    results[index] = ray.get(ready[0])
+                    continue
+                except RayActorError as e:
+                    failure, cause = "died", e
+                except Exception as e:  # the task raised: the caller decides
+                    results[index] = e
+                    continue
+            else:
+                ref, (index, deadline) = min(pending.items(), key=lambda kv: kv[1][1])
+                if deadline > time.monotonic():
+                    continue  # ray.wait returned early
+                del pending[ref]
+                failure = f"did not answer in {timeout_s:g}s"
+                cause = GetTimeoutError(f"no result after {timeout_s:g}s")
+            self._recover(index, failure, cause, attempts)
+            submit(index)
+        return results
+
+    def _recover(
+        self, index: int, failure: str, cause: BaseException, attempts: dict[int, int]
+    ) -> None:
+        """Restart engine `index` after `failure` ('died', 'did not answer in ...'), within the
+        per-call restart limit."""
+        attempts[index] = attempts.get(index, 0) + 1
+        if attempts[index] > self.max_restarts_per_call:
+            raise EngineFailedError(
+                f"engine {index} failed {attempts[index]} times in one call (last: {failure}: "
+                f"{_error_text(cause)})"
+            ) from cause
+        while True:
             try:
-                results[index] = ray.get(ready[0])
-            except RayActorError as e:
-                attempts[index] = attempts.get(index, 0) + 1
+                self.restart(index, reason=failure)
+                return
+            except (RayActorError, GetTimeoutError) as again:
+                attempts[index] += 1
                 if attempts[index] > self.max_restarts_per_call:
                     raise EngineFailedError(
-                        f"engine {index} died {attempts[index]} times in one call: {_error_text(e)}"
-                    ) from e
-                while True:
-                    try:
-                        self.restart(index)
-                        break
-                    except (RayActorError, GetTimeoutError) as again:
-                        attempts[index] += 1
-                        if attempts[index] > self.max_restarts_per_call:
-                            raise EngineFailedError(
-                                f"engine {index} could not be restarted: {_error_text(again)}"
-                            ) from again
-                pending[call(index, self.handles[index])] = index
-            except Exception as e:  # the task raised: the caller decides
-                results[index] = e
-        return results
+                        f"engine {index} could not be restarted: {_error_text(again)}"
+                    ) from again
 
     def check_health(self) -> list[dict]:
         """Ask every engine for (version, pid); a dead or unresponsive engine is restarted."""
@@ -350,7 +404,14 @@ class EngineGroup:
                 entry["version"], entry["pid"] = ray.get(ref)
             except (RayActorError, GetTimeoutError) as e:
                 self.restart(i, reason=f"failed its health check ({_error_text(e)})")
-                entry["version"], entry["pid"] = ray.get(self.handles[i].health.remote())
+                try:
+                    entry["version"], entry["pid"] = ray.get(
+                        self.handles[i].health.remote(), timeout=self.health_timeout_s
+                    )
+                except (RayActorError, GetTimeoutError) as again:
+                    raise EngineFailedError(
+                        f"engine {i} failed its health check after a restart: {_error_text(again)}"
+                    ) from again
                 entry["restarted"] = True
             report.append(entry)
         return report
@@ -415,6 +476,7 @@ class EngineGroup:
         results = self._run(
             lambda i, h: h.generate.remote(by_index[i], sampling),
             [i for i, _ in parts],
+            timeout_s=self.generate_timeout_s,
         )
         samples: list[Sample] = []
         for i, part in parts:
@@ -431,6 +493,17 @@ class EngineGroup:
 
     def set_debug(self, index: int, **kwargs) -> None:
         ray.get(self.handles[index].set_debug.remote(**kwargs))
+
+    def set_timeouts(
+        self, generate_s: float | None = None, health_s: float | None = None
+    ) -> dict[str, float | None]:
+        """Change the generate / health timeouts (None: unchanged); returns the previous ones."""
+        old = {"generate_s": self.generate_timeout_s, "health_s": self.health_timeout_s}
+        if generate_s is not None:
+            self.generate_timeout_s = float(generate_s)
+        if health_s is not None:
+            self.health_timeout_s = float(health_s)
+        return old
 
     def close(self) -> None:
         for h in self.handles:
@@ -454,11 +527,25 @@ class EngineGroup:
 class RolloutManager:
     """Owns the RolloutProducer (data cursor, seeds, rewards) and the EngineGroup."""
 
-    def __init__(self, settings, spec: EngineSpec, num_engines: int, bundle: dict[str, float]):
+    def __init__(
+        self,
+        settings,
+        spec: EngineSpec,
+        num_engines: int,
+        bundle: dict[str, float],
+        engine_timeout_s: float = 600.0,
+    ):
         from jaxloop.rollout.producer import RolloutProducer
 
         start = time.perf_counter()
-        self.group = EngineGroup(spec, num_engines, bundle)
+        # a health check is a trivial call: bounded by the generate timeout, at most 2 minutes
+        self.group = EngineGroup(
+            spec,
+            num_engines,
+            bundle,
+            generate_timeout_s=engine_timeout_s,
+            health_timeout_s=min(120.0, engine_timeout_s),
+        )
         self.producer = RolloutProducer(settings, self.group)
         self.start_seconds = time.perf_counter() - start
 
@@ -504,6 +591,9 @@ class RolloutManager:
 
     def set_debug(self, index: int, **kwargs) -> None:
         self.group.set_debug(index, **kwargs)
+
+    def set_timeouts(self, **kwargs) -> dict[str, float | None]:
+        return self.group.set_timeouts(**kwargs)
 
     def close(self) -> None:
         self.group.close()
@@ -555,7 +645,7 @@ class RayRolloutClient:
             spec, bundle = self._engine_spec(cfg, actor_model, settings)
             start = time.perf_counter()
             self.manager = RolloutManager.options(num_cpus=0, runtime_env=self._runtime_env).remote(
-                settings, spec, r.num_engines, bundle
+                settings, spec, r.num_engines, bundle, engine_timeout_s=float(r.engine_timeout_s)
             )
             info = ray.get(self.manager.info.remote())
             self.timings["manager_start_s"] = time.perf_counter() - start

@@ -1,5 +1,6 @@
 """The Ray rollout bridge with JAX engine actors (no vLLM needed): bitwise parity with the
-in-process producer, transactional publication through the bridge, and engine restarts.
+in-process producer, transactional publication through the bridge, and engine restarts (an
+engine killed mid-rollout, or hung past the group's timeout).
 
 Bitwise parity holds when the in-process batch and each engine's part pad to the same batch
 shape (the JAX sampler pads batches to multiples of 8); otherwise tokens are equal and log-probs
@@ -276,6 +277,58 @@ def test_engine_killed_mid_rollout_is_restarted(bridge, tmp_path):
     # the restarted engine takes later publications like the others
     bridge.serve("A")
     assert _versions(client) == [served + 1, served + 1]
+
+
+def test_hung_engine_is_killed_and_restarted(bridge, tmp_path):
+    """An engine alive but stuck in generate (or in a health check) past the group's timeout is
+    treated like a dead one: killed, restarted with the committed policy, its part regenerated."""
+    client = bridge.client
+    bridge.serve("A")
+    served = bridge.next_version - 1
+    cursor = client.state()
+    undisturbed, stats0 = client.produce(3)
+    restarts = client.stats()["engine_restarts"]
+    pid = client.health()[1]["pid"]
+    # well above a fresh engine's first generate (~1.5 s with its compile), far below the hang
+    timeout = 15.0
+    old = ray.get(client.manager.set_timeouts.remote(generate_s=timeout, health_s=5.0))
+    try:
+        client.restore(cursor)
+        ray.get(
+            client.manager.set_debug.remote(1, generate_delay_s=600.0, marker_dir=str(tmp_path))
+        )
+        start = time.perf_counter()
+        samples, stats = client.produce(3)
+        elapsed = time.perf_counter() - start
+        TIMINGS["hung_generate_restart_and_regenerate_s"] = elapsed
+        assert (tmp_path / f"generate-{pid}").read_text() == "4"  # engine 1 hung in its part
+        assert timeout <= elapsed < timeout + 60  # it waited for the timeout, not for the hang
+        assert stats["engine_restarts"] == restarts + 1 == client.stats()["engine_restarts"]
+        assert_same_samples(samples, undisturbed)
+        assert strip(stats) == strip(stats0)
+        health = client.health()
+        assert health[1]["pid"] != pid and not any(h["restarted"] for h in health)
+        assert [h["version"] for h in health] == [served, served]
+        assert all(s.policy_version == served for s in samples)
+
+        # a health check that hangs: engine 0 is replaced, engine 1 left alone
+        pid0 = health[0]["pid"]
+        ray.get(client.manager.set_debug.remote(0, health_delay_s=600.0))
+        start = time.perf_counter()
+        health = client.health()
+        TIMINGS["hung_health_restart_s"] = time.perf_counter() - start
+        assert [h["restarted"] for h in health] == [True, False]
+        assert health[0]["pid"] != pid0 and health[1]["pid"] != pid
+        assert [h["version"] for h in health] == [served, served]
+        assert client.stats()["engine_restarts"] == restarts + 2
+
+        # the replaced engines serve the same samples, with no further restarts
+        client.restore(cursor)
+        again, stats = client.produce(3)
+        assert_same_samples(again, undisturbed)
+        assert stats["engine_restarts"] == restarts + 2
+    finally:
+        ray.get(client.manager.set_timeouts.remote(**old))
 
 
 def test_publish_bandwidth_is_reported(bridge):

@@ -28,6 +28,7 @@ def _run_main(capsys, *argv):
         (["--config", "ppo.py", "--config.model.hf_dir=/no/such/dir"], "hf_dir"),
         (["--config", "ppo.py", "--config.algorithm=sac"], "algorithm='sac'"),
         (["--config", "ppo.py", "--config.data.max_prompt_tokens=3"], "longer than"),
+        (["--config", "ppo.py", "--config.rollout.engine_timeout_s=0"], "engine_timeout_s must"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
