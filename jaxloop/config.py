@@ -267,6 +267,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(
             f"rollout.engine_timeout_s must be > 0 (got {cfg.rollout.engine_timeout_s})"
         )
+    if cfg.optim.schedule not in ("constant", "cosine", "linear"):
+        raise UsageError(f"optim.schedule={cfg.optim.schedule!r}; expected constant/cosine/linear")
     if cfg.optim.name not in ("adamw", "sgd"):
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
