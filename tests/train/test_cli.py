@@ -29,6 +29,10 @@ def _run_main(capsys, *argv):
         (["--config", "ppo.py", "--config.algorithm=sac"], "algorithm='sac'"),
         (["--config", "ppo.py", "--config.data.max_prompt_tokens=3"], "longer than"),
         (["--config", "ppo.py", "--config.rollout.engine_timeout_s=0"], "engine_timeout_s must"),
+        (["--config", "ppo.py", "--config.algo.dual_clip=0.5"], "dual_clip must be > 1"),
+        (["--config", "ppo.py", "--config.data.task=nope"], "unknown builtin task"),
+        (["--config", "ppo.py", "--config.data.reward=nope"], "unknown reward"),
+        (["--config", "ppo.py", "--config.optim.schedule=nope"], "optim.schedule"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
