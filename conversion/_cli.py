@@ -1,4 +1,5 @@
-"""What the conversion CLIs share: one-line errors (exit code 2) and output-dir checks."""
+"""What the conversion CLIs share: one-line errors (exit code 2), output-dir checks, and
+progress bars only when stderr is a terminal."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class OneLineParser(argparse.ArgumentParser):
 def check_out_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} exists and is not an empty directory")
+
+
+def show_progress() -> bool:
+    """Progress bars (on stderr) only for a person watching: never into a pipe or a log."""
+    return sys.stderr.isatty()
 
 
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None) -> int:

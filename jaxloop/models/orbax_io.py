@@ -9,7 +9,8 @@
       critic_config.json      the same plus "jaxloop_role": "critic"
       tokenizer/              tokenizer files, if any
 
-`restore_model` restores only the `{role}_params` item, so it works whatever else a step holds.
+`restore_model` restores only the `{role}_params` item, so it works whatever else a step holds,
+one parameter at a time (peak RAM: the model plus about one parameter).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxloop.models.config import LoopedConfig
-from jaxloop.models.hf_io import ROLE_KEY, abstract_model, copy_tokenizer_files
+from jaxloop.models.hf_io import ROLE_KEY, abstract_model, copy_tokenizer_files, progress_bar
 from jaxloop.models.looped import ROLES, LoopedLM
 
 CHECKPOINT_DIR = "checkpoints"
@@ -179,6 +180,7 @@ def restore_model(
     dtype: str | None = None,
     compute_dtype: str | None = None,
     sharding: jax.sharding.Sharding | None = None,
+    progress: bool = False,
     **config_overrides,
 ) -> LoopedLM:
     """Restore the `{role}_params` item of `step` (default: latest) as a LoopedLM.
@@ -186,7 +188,7 @@ def restore_model(
     dtype: parameter dtype (None keeps the stored one; otherwise orbax casts while reading).
     compute_dtype defaults to the parameter dtype. sharding: where every parameter goes
     (default: the first local device). config_overrides go to LoopedConfig.replace
-    (remat, attention_impl...).
+    (remat, attention_impl...). progress: a bar over the bytes restored, on stderr.
     """
     item = params_item(role)
     ckpt = _checkpoint_dir(run_dir)
@@ -194,10 +196,8 @@ def restore_model(
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    # Read about 1 GB at a time (orbax's default, 96 GB, reads a whole model at once).
-    registry.add(
-        item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler(restore_concurrent_gb=1)
-    )
+    # Parameters are restored one at a time (below); within one, read about 1 GB at a time.
+    registry.add(item, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1))
     with _open(ckpt, registry) as mngr, _quiet_other_items():
         steps = mngr.all_steps()
         if not steps:
@@ -227,11 +227,36 @@ def restore_model(
             shapes,
             stored,
         )
-        restored = mngr.restore(
-            step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
-        )[item]
-    nnx.replace_by_pure_dict(params, restored)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+        total = sum(x.size * x.dtype.itemsize for _, x in leaves)
+        arrays = []
+        with progress_bar(total, "restoring", progress) as bar:
+            for path, x in leaves:
+                arrays.append(_restore_one(mngr, step, item, path, x))
+                bar.update(x.size * x.dtype.itemsize)
+    nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
     return nnx.merge(graphdef, params, rest)
+
+
+def _restore_one(mngr, step: int, item: str, path, x: jax.ShapeDtypeStruct) -> jax.Array:
+    """One parameter of `item` (orbax's partial restore), cast to x.dtype and placed on
+    x.sharding. Restoring the whole tree at once keeps many parameters' host reads and device
+    copies in flight together (peak RSS 1.74 GB for a 1.0 GB bf16 model, 0.2 GB of it the
+    interpreter); one at a time, about the largest one's (1.41 GB)."""
+
+    def nest(leaf):
+        for key in reversed(path):
+            leaf = {key.key: leaf}
+        return leaf
+
+    args = ocp.args.PyTreeRestore(
+        nest(x),
+        restore_args=nest(ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype)),
+        partial_restore=True,
+    )
+    restored = mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+    (array,) = jax.tree.leaves(restored)
+    return array
 
 
 def _check_shapes(want: dict, stored: dict, item: str) -> None:

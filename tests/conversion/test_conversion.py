@@ -273,6 +273,25 @@ def test_save_model_keeps_the_model_usable_without_donate(tmp_path):
     assert not (tmp_path / "run" / TOKENIZER_DIR).exists()
 
 
+def test_restore_places_parameters_on_the_given_sharding(tmp_path, capsys):
+    """Parameters are restored one at a time, each onto `sharding`, cast to `dtype`."""
+    model = _model("ouro", "critic", 8)
+    save_model(tmp_path / "run", model, step=1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    restored = restore_model(
+        tmp_path / "run", "critic", dtype="bfloat16", sharding=sharding, progress=True
+    )
+    err = capsys.readouterr().err
+    assert "restoring" in err and "\n" not in err  # the bar, erased when done
+    want = jax.tree.leaves(_pure(model))
+    got = jax.tree.leaves(_pure(restored))
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want, strict=True):
+        assert a.sharding == sharding and a.dtype == jnp.bfloat16
+        assert np.asarray(a).tobytes() == np.asarray(b).astype(NP_DTYPES["bfloat16"]).tobytes()
+
+
 def test_restore_errors(tmp_path):
     with pytest.raises(RunDirError, match="does not exist"):
         restore_model(tmp_path / "nope")
@@ -412,6 +431,28 @@ def test_to_hf_errors(tmp_path, capsys, actor_run, case):
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert message.format(tmp=tmp_path) in err
     assert only_entries(tmp_path) == ["full"]
+
+
+def test_cli_progress_bars_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """With stderr a terminal (forced here), bars show and are erased; an error is still one
+    line after them."""
+    monkeypatch.setattr(from_hf, "show_progress", lambda: True)
+    monkeypatch.setattr(to_hf, "show_progress", lambda: True)
+    hf_in, run, hf_out = tmp_path / "hf_in", tmp_path / "run", tmp_path / "hf_out"
+    tensors = write_hf_dir(hf_in, "nanbeige", "actor", "bfloat16", seed=5)
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "reading HF" in err and "\n" not in err
+    assert to_hf.main(["--checkpoint", str(run), "--out", str(hf_out)]) == 0
+    err = capsys.readouterr().err
+    assert "restoring" in err and "writing HF" in err and "\n" not in err
+    assert_same_tensors(read_hf_tensors(hf_out), tensors)
+
+    _add(hf_in, "model.extra.weight", np.zeros(4, np.float32))
+    assert from_hf.main(["--hf-dir", str(hf_in), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "reading HF" in err and err.count("\n") == 1
+    assert err.split("\r")[-1].startswith("error: unexpected tensor model.extra.weight"), err
 
 
 # ---- subprocess: what a user sees ------------------------------------------------------------
