@@ -9,14 +9,12 @@ renames it when complete, so a save killed half-way is never listed (and never r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxloop.models.hf_io import ROLE_KEY
-from jaxloop.models.orbax_io import CHECKPOINT_DIR, config_file, params_item
+from jaxloop.models.orbax_io import CHECKPOINT_DIR, params_item, write_config
 from jaxloop.rl.learner import Learner
 
 TRAIN_STATE = "train_state"
@@ -40,13 +38,9 @@ class TrainCheckpointer:
         return self.manager.latest_step()
 
     def write_configs(self, learner: Learner) -> None:
-        for role, model in (("actor", learner.actor_model()), ("critic", learner.critic_model())):
-            if model is None:
-                continue
-            hf = model.config.to_hf_dict()
-            if role == "critic":
-                hf[ROLE_KEY] = "critic"
-            (self.run_dir / config_file(role)).write_text(json.dumps(hf, indent=2) + "\n")
+        for model in (learner.actor_model(), learner.critic_model()):
+            if model is not None:
+                write_config(self.run_dir, model)
 
     def _items(self, learner: Learner):
         items = {

@@ -47,6 +47,17 @@ TOKENIZER_FILES = (
 ROLE_KEY = "jaxloop_role"
 
 
+def model_hf_config(model: LoopedLM) -> dict:
+    """The config.json dict of a model: every original key, head_dim explicit, and
+    `jaxloop_role: critic` exactly when the model is a critic."""
+    hf = model.config.to_hf_dict()
+    if model.role == "critic":
+        hf[ROLE_KEY] = "critic"
+    else:
+        hf.pop(ROLE_KEY, None)
+    return hf
+
+
 class CheckpointError(ValueError):
     """An HF checkpoint does not match the model it claims to be."""
 
@@ -277,12 +288,8 @@ def save_hf(
                 "weight_map": {name: file_names[shard_of[name]] for name in shapes},
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf = cfg.to_hf_dict()
+        hf = model_hf_config(model)
         hf["torch_dtype"] = str(jnp.dtype(dtype))
-        if model.role == "critic":
-            hf[ROLE_KEY] = "critic"
-        else:
-            hf.pop(ROLE_KEY, None)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)

@@ -27,7 +27,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxloop.models.config import LoopedConfig
-from jaxloop.models.hf_io import ROLE_KEY, abstract_model, copy_tokenizer_files, progress_bar
+from jaxloop.models.hf_io import (
+    ROLE_KEY,
+    abstract_model,
+    copy_tokenizer_files,
+    model_hf_config,
+    progress_bar,
+)
 from jaxloop.models.looped import ROLES, LoopedLM
 
 CHECKPOINT_DIR = "checkpoints"
@@ -56,6 +62,12 @@ def _check_role(role: str) -> None:
 
 
 # ---- save --------------------------------------------------------------------------------------
+def write_config(run_dir: str | Path, model: LoopedLM) -> None:
+    """run_dir/{role}_config.json for `model`."""
+    text = json.dumps(model_hf_config(model), indent=2) + "\n"
+    (Path(run_dir) / config_file(model.role)).write_text(text)
+
+
 def save_model(
     run_dir: str | Path,
     model: LoopedLM,
@@ -75,12 +87,7 @@ def save_model(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     role = model.role
-    hf = model.config.to_hf_dict()
-    if role == "critic":
-        hf[ROLE_KEY] = "critic"
-    else:
-        hf.pop(ROLE_KEY, None)
-    (run_dir / config_file(role)).write_text(json.dumps(hf, indent=2) + "\n")
+    write_config(run_dir, model)
     if tokenizer_dir is not None:
         tok = run_dir / TOKENIZER_DIR
         tok.mkdir(exist_ok=True)
