@@ -194,12 +194,16 @@ def _clipped_surrogate(
     return loss, metrics
 
 
-def _kl_ref_metric(inputs: LossInputs, hp: LossHParams) -> jax.Array | None:
+def _kl_ref_metric(inputs: LossInputs, hp: LossHParams, metrics: dict) -> jax.Array | None:
+    """Per-token KL to the reference (None without ``ref_logprobs``); also recorded as the
+    'kl_ref' metric."""
     if inputs.ref_logprobs is None:
         return None
     # ref := lp off the mask so the estimator (and its gradient) is exactly 0 on padding.
     ref = jnp.where(inputs.mask > 0, _f32(inputs.ref_logprobs), _f32(inputs.logprobs))
-    return kl_penalty(inputs.logprobs, ref, hp.kl_estimator)
+    kl = kl_penalty(inputs.logprobs, ref, hp.kl_estimator)
+    metrics["kl_ref"] = jax.lax.stop_gradient(kl)
+    return kl
 
 
 # --------------------------------------------------------------------------- policy losses
@@ -211,9 +215,7 @@ def ppo_loss(inputs: LossInputs, hp: LossHParams):
     min(loss, -c A). Metrics: ratio, clip_frac, approx_kl, [dual_clip_frac], [kl_ref]."""
     log_ratio = _masked_diff(inputs.logprobs, inputs.old_logprobs, inputs.mask)
     loss, metrics = _clipped_surrogate(log_ratio, _f32(inputs.advantages), hp)
-    kl = _kl_ref_metric(inputs, hp)
-    if kl is not None:
-        metrics["kl_ref"] = jax.lax.stop_gradient(kl)
+    _kl_ref_metric(inputs, hp, metrics)
     return loss, metrics
 
 
@@ -223,13 +225,11 @@ def grpo_loss(inputs: LossInputs, hp: LossHParams):
     (which then requires ``ref_logprobs``). Metrics as 'ppo' plus kl_ref."""
     log_ratio = _masked_diff(inputs.logprobs, inputs.old_logprobs, inputs.mask)
     loss, metrics = _clipped_surrogate(log_ratio, _f32(inputs.advantages), hp)
-    kl = _kl_ref_metric(inputs, hp)
+    kl = _kl_ref_metric(inputs, hp, metrics)
     if hp.kl_coef > 0:
         if kl is None:
             raise ValueError("grpo loss with kl_coef > 0 needs inputs.ref_logprobs")
         loss = loss + hp.kl_coef * kl
-    if kl is not None:
-        metrics["kl_ref"] = jax.lax.stop_gradient(kl)
     return loss, metrics
 
 
@@ -256,9 +256,7 @@ def decoupled_ppo_loss(inputs: LossInputs, hp: LossHParams):
     loss = weight * loss
     metrics["behav_weight"] = weight
     metrics["dropped_frac"] = dropped.astype(jnp.float32)
-    kl = _kl_ref_metric(inputs, hp)
-    if kl is not None:
-        metrics["kl_ref"] = jax.lax.stop_gradient(kl)
+    _kl_ref_metric(inputs, hp, metrics)
     return loss, metrics
 
 
@@ -286,9 +284,7 @@ def flow_dppo_loss(inputs: LossInputs, hp: LossHParams):
         "old_kl": d,
         "approx_kl": -log_ratio,
     }
-    kl = _kl_ref_metric(inputs, hp)
-    if kl is not None:
-        metrics["kl_ref"] = jax.lax.stop_gradient(kl)
+    _kl_ref_metric(inputs, hp, metrics)
     return loss, metrics
 
 
