@@ -121,6 +121,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.grpo_use_std = True
     c.algo.reduction = "seq_mean_token_mean"
 
+    # Device mesh for training and the embedded sampler: ('data', 'fsdp', 'tensor'); -1 takes the
+    # remaining devices (at most one axis). Default: every device on fsdp.
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+
+    # Many hosts: jax.distributed.initialize. Empty coordinator and num_processes 0 = one process
+    # (or whatever the cluster environment JAX detects says).
+    c.dist = ml_collections.ConfigDict()
+    c.dist.coordinator_address = ""
+    c.dist.num_processes = 0
+    c.dist.process_id = -1
+
     c.draft_features = ml_collections.ConfigDict()
     c.draft_features.enabled = False
     c.draft_features.max_tokens_per_update = 4096
