@@ -34,7 +34,9 @@ def parse_args(argv: Sequence[str] | None):
 
 def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
-    out: Path = args.out.absolute()
+    # Relative paths are taken from the working directory (orbax itself wants absolute ones).
+    hf_dir: Path = args.hf_dir.resolve()
+    out: Path = args.out.resolve()
     check_out_dir(out)
 
     from jaxloop.models import load_hf
@@ -46,8 +48,8 @@ def _main(argv: Sequence[str] | None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         dtype = None if args.dtype == "auto" else args.dtype
-        model = load_hf(args.hf_dir, dtype=dtype, progress=show_progress())
-        save_model(tmp, model, step=0, tokenizer_dir=args.hf_dir, donate=True)
+        model = load_hf(hf_dir, dtype=dtype, progress=show_progress())
+        save_model(tmp, model, step=0, tokenizer_dir=hf_dir, donate=True)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

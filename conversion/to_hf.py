@@ -33,7 +33,9 @@ def parse_args(argv: Sequence[str] | None):
 
 def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
-    out: Path = args.out.absolute()
+    # Relative paths are taken from the working directory (orbax itself wants absolute ones).
+    checkpoint: Path = args.checkpoint.resolve()
+    out: Path = args.out.resolve()
     check_out_dir(out)
 
     from jaxloop.models import save_hf
@@ -47,9 +49,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if shard_bytes <= 0:
         raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a positive size")
     progress = show_progress()
-    model = restore_model(args.checkpoint, role=args.role, step=args.step, progress=progress)
+    model = restore_model(checkpoint, role=args.role, step=args.step, progress=progress)
     dtype = model.config.param_dtype if args.dtype == "auto" else args.dtype
-    tokenizer = args.checkpoint / TOKENIZER_DIR
+    tokenizer = checkpoint / TOKENIZER_DIR
     save_hf(
         model,
         out,

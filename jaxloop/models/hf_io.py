@@ -1,7 +1,8 @@
 """Sharded safetensors read/write driven by a family's HF name table.
 
-Import streams shard by shard into one preallocated buffer per parameter (peak RAM about the
-model's size plus one parameter). Export plans shards and their headers from shapes, then streams
+Import reads each tensor in slices (plain reads, no memory map) into one preallocated buffer per
+parameter, which becomes a device array as soon as it is complete (peak RAM about the model's size
+plus one parameter; `mesh=` places each one straight onto its sharding). Export plans shards and their headers from shapes, then streams
 each tensor straight to its shard file as it is produced (peak RAM: the model plus a tensor or
 two). bf16 is handled through ml_dtypes, so the round trip is byte-exact. `progress=True` shows a
 tqdm bar (bytes) on stderr, erased when done.
@@ -9,10 +10,11 @@ tqdm bar (bytes) on stderr, erased when done.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -22,13 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxloop import safetensors_format as st
 from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_param
+from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_hf
 from jaxloop.models.looped import LoopedLM
+from jaxloop.sharding import logical_to_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -99,18 +103,6 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
     )
 
 
-def _data_bytes(files: list[Path]) -> int:
-    """Bytes of tensor data in safetensors files (file size less the header), for a bar's total;
-    malformed files count 0 here (reading them raises the real error)."""
-    total = 0
-    for file in files:
-        with open(file, "rb") as f:
-            head = f.read(8)
-        if len(head) == 8:
-            total += max(0, file.stat().st_size - 8 - struct.unpack("<Q", head)[0])
-    return total
-
-
 # ---- shapes
 def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
     return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
@@ -129,8 +121,12 @@ def hf_tensor_shapes(cfg: LoopedConfig, role: str = "actor") -> dict[str, tuple[
 
 
 # ---- import
+READ_CHUNK_BYTES = 64 * 2**20  # source bytes read (and converted) at a time by load_hf
+_ALIGN = 4096  # host buffers aligned like this become CPU device arrays without a copy
+
+
 def read_hf_config(path: str | Path) -> tuple[LoopedConfig, str]:
-    path = Path(path)
+    path = Path(path).resolve()
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory")
     cfg = LoopedConfig.from_hf_dir(path)
@@ -142,82 +138,182 @@ def load_hf(
     dtype: str | None = "float32",
     compute_dtype: str | None = None,
     progress: bool = False,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
     **config_overrides,
 ) -> LoopedLM:
     """Load an HF checkpoint (sharded or single-file safetensors) as a LoopedLM.
 
     dtype: parameter dtype (None keeps the checkpoint's); compute_dtype defaults to dtype.
-    Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor.
+    Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor (all checked
+    from the file headers before any tensor data is read).
+    mesh: every parameter goes straight onto NamedSharding(mesh, logical_to_spec(its
+    logical_axes)), built with jax.make_array_from_callback from its host buffer (each device
+    takes only its slices); default: the default device.
     progress: a bar over the bytes read, on stderr.
+
+    Memory: each parameter has one host buffer, filled from the source files with plain reads of
+    READ_CHUNK_BYTES at a time (no memory map: the files' pages never count in the process's
+    RSS), cast and re-laid-out on the way, and becomes a device array as soon as its last tensor
+    is read. On CPU without a mesh the (page-aligned) buffer becomes the device array without a
+    copy; elsewhere the buffer is freed once its device copy is made. Peak: the model plus about
+    one parameter.
     """
-    path = Path(path)
+    path = Path(path).resolve()
     cfg, role = read_hf_config(path)
     files = checkpoint_files(path)
+    headers = [_read_header(file) for file in files]
     if dtype is None:
-        dtype = _first_float_dtype(files)
+        dtype = _first_float_dtype(files[0], headers[0])
     cfg = cfg.replace(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
     model = abstract_model(cfg, role)
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
     targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    buffers: dict[tuple[str, ...], np.ndarray] = {}
-    seen: set[str] = set()
-    bar = progress_bar(_data_bytes(files) if progress else 0, "reading HF", progress)
-    with bar:
-        for file in files:
-            _read_into(file, targets, model, np_dtype, buffers, seen, bar)
-    missing = [n for n in targets if n not in seen]
+    plan = _plan_reads(files, headers, targets, flat)
+    missing = [n for n in targets if n not in {e.name for _, entries in plan for e, _ in entries}]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]}{more} in {path}")
-    return _materialise(model, buffers)
-
-
-def _read_into(file: Path, targets: dict, model, np_dtype, buffers: dict, seen: set, bar) -> None:
-    """Copy every tensor of one file into its parameter's buffer (allocated on first use).
-
-    A function of its own so that no view of the file outlives it: a loop variable left in
-    load_hf kept the last file's memory map (up to a whole shard of RSS) alive to the end.
-    """
-    for name, arr in read_safetensors(file):
-        if name not in targets:
-            if name.endswith(NON_PERSISTENT_SUFFIXES):
-                bar.update(arr.nbytes)
-                continue
-            raise CheckpointError(f"unexpected tensor {name} in {file.name}")
-        t = targets[name]
-        full_shape = tuple(get_param(model, t.path).shape)
-        slice_shape = full_shape[1:] if t.layer is not None else full_shape
-        want = hf_shape(t.layout, slice_shape)
-        if tuple(arr.shape) != want:
-            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, expected {want}")
-        if t.path not in buffers:
-            buffers[t.path] = np.empty(full_shape, np_dtype)
-        value = to_param(arr, t.layout, slice_shape).astype(np_dtype)
-        if t.layer is None:
-            buffers[t.path][...] = value
-        else:
-            buffers[t.path][t.layer] = value
-        seen.add(name)
-        bar.update(arr.nbytes)
-
-
-def _first_float_dtype(files: list[Path]) -> str:
-    for _, arr in read_safetensors(files[0]):
-        return str(jnp.dtype(arr.dtype))
-    raise CheckpointError(f"{files[0]} holds no tensors")
-
-
-def _materialise(model: LoopedLM, buffers: dict) -> LoopedLM:
-    """Move host buffers into the abstract model one at a time (freeing each host copy)."""
-    graphdef, state = nnx.split(model)
-    flat = dict(nnx.to_flat_state(state))
-    for path in list(buffers):
-        var = flat[path]
-        # Block before the next copy: the copy is asynchronous and keeps its host buffer alive
-        # until done, so without it all host buffers and all copies coexist (2x the model).
-        # set_value, not `var[...] =`: the variable still holds a ShapeDtypeStruct.
-        var.set_value(jnp.asarray(buffers.pop(path)).block_until_ready())
+    pending = collections.Counter(t.path for t in targets.values())
+    buffers: dict[tuple[str, ...], np.ndarray] = {}
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    total = sum(e.nbytes for entries in headers for e in entries)
+    with progress_bar(total if progress else 0, "reading HF", progress) as bar:
+        for file, entries in plan:
+            with open(file, "rb", buffering=0) as f:
+                for entry, t in entries:
+                    if t is None:  # a non-persistent extra (rotary inv_freq): skipped
+                        bar.update(entry.nbytes)
+                        continue
+                    var = flat[t.path]
+                    if t.path not in buffers:
+                        buffers[t.path] = _aligned_empty(var.shape, np_dtype)
+                    _fill(f, file, entry, _hf_view(buffers[t.path], t))
+                    bar.update(entry.nbytes)
+                    pending[t.path] -= 1
+                    if pending[t.path] == 0:
+                        var.set_value(_place(buffers.pop(t.path), var, mesh))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors file, from its header."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+
+def _read_header(file: Path) -> list[_Entry]:
+    """A safetensors file's tensors from its header alone, in header order, validated by
+    safetensors_format.parse (over a memory map of which only the header pages are touched)."""
+    try:
+        if file.stat().st_size == 0:
+            raise st.FormatError(f"{file.name} is empty")
+        mm = np.memmap(file, dtype=np.uint8, mode="r")
+        base = mm.ctypes.data
+        entries = [
+            _Entry(
+                name, arr.dtype, arr.shape, arr.__array_interface__["data"][0] - base, arr.nbytes
+            )
+            for name, arr in st.parse(memoryview(mm))
+        ]
+    except st.FormatError as e:
+        raise CheckpointError(f"{file.name}: {e}") from e
+    return entries
+
+
+def _plan_reads(files: list[Path], headers: list, targets: dict, flat: dict) -> list:
+    """[(file, [(entry, HFTensor or None to skip)] in file-offset order)]; unknown, repeated or
+    mis-shaped tensors raise CheckpointError."""
+    plan, seen = [], set()
+    for file, entries in zip(files, headers, strict=True):
+        reads = []
+        for e in entries:
+            if e.name not in targets:
+                if e.name.endswith(NON_PERSISTENT_SUFFIXES):
+                    reads.append((e, None))
+                    continue
+                raise CheckpointError(f"unexpected tensor {e.name} in {file.name}")
+            if e.name in seen:
+                raise CheckpointError(f"tensor {e.name} appears twice ({file.name})")
+            seen.add(e.name)
+            t = targets[e.name]
+            full_shape = tuple(flat[t.path].shape)
+            want = hf_shape(t.layout, full_shape[1:] if t.layer is not None else full_shape)
+            if e.shape != want:
+                raise CheckpointError(f"tensor {e.name} has shape {e.shape}, expected {want}")
+            reads.append((e, t))
+        plan.append((file, sorted(reads, key=lambda r: r[0].offset)))
+    return plan
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.empty, but starting on an _ALIGN boundary (what lets jax.device_put on CPU alias it)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _hf_view(buffer: np.ndarray, t) -> np.ndarray:
+    """A writable view of the parameter slice that HF tensor `t` fills, in the HF tensor's shape
+    (layouts only transpose and reshape, so to_hf of a contiguous slice is a view of it)."""
+    view = to_hf(buffer[t.layer] if t.layer is not None else buffer, t.layout)
+    if not np.may_share_memory(view, buffer):
+        raise RuntimeError(f"layout {t.layout} of {t.name} gave a copy, not a view")
+    return view
+
+
+def _fill(f, file: Path, entry: _Entry, dest: np.ndarray) -> None:
+    """Read one tensor's bytes into `dest` (its HF shape) READ_CHUNK_BYTES at a time along axis 0,
+    straight into `dest` when it is contiguous with the source dtype, else through a bounce
+    buffer, casting and scattering as numpy assigns."""
+    if entry.nbytes == 0:
+        return
+    if dest.ndim == 0:
+        dest = dest.reshape(1)
+    rows = dest.shape[0]
+    row_bytes = entry.nbytes // rows
+    step = max(1, READ_CHUNK_BYTES // row_bytes)
+    direct = dest.dtype == entry.dtype and dest.flags.c_contiguous
+    bounce = None if direct else np.empty(min(rows, step) * row_bytes, np.uint8)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        n = (r1 - r0) * row_bytes
+        target = dest[r0:r1].reshape(-1).view(np.uint8) if direct else bounce[:n]
+        f.seek(entry.offset + r0 * row_bytes)
+        view, done = memoryview(target), 0
+        while done < n:
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{file.name}: tensor {entry.name} is truncated")
+            done += got
+        if not direct:
+            dest[r0:r1] = target.view(entry.dtype).reshape((r1 - r0, *dest.shape[1:]))
+
+
+def _place(buffer: np.ndarray, var, mesh: jax.sharding.Mesh | None) -> jax.Array:
+    """A filled host buffer as a device array: on `mesh` by the variable's logical axes (each
+    device takes its slices of the buffer), else on the default device (no copy on CPU).
+    Blocks, so that the buffer is free (or owned by the array) when this returns."""
+    if mesh is None:
+        return jax.device_put(buffer).block_until_ready()
+    axes = getattr(var, "logical_axes", None) or (None,) * buffer.ndim
+    sharding = NamedSharding(mesh, logical_to_spec(axes, buffer.shape, mesh))
+    return jax.make_array_from_callback(
+        buffer.shape, sharding, lambda i: buffer[i]
+    ).block_until_ready()
+
+
+def _first_float_dtype(file: Path, entries: list[_Entry]) -> str:
+    if entries:
+        return str(jnp.dtype(entries[0].dtype))
+    raise CheckpointError(f"{file} holds no tensors")
 
 
 # ---- export
@@ -249,7 +345,7 @@ def save_hf(
     shapes), so peak RAM is the model plus a tensor or two. progress: a bar over the bytes
     written, on stderr.
     """
-    path = Path(path)
+    path = Path(path).resolve()
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty")
     cfg = model.config

@@ -10,7 +10,14 @@
       tokenizer/              tokenizer files, if any
 
 `restore_model` restores only the `{role}_params` item, so it works whatever else a step holds,
-one parameter at a time (peak RAM: the model plus about one parameter).
+one parameter at a time (peak RAM: the model plus about one parameter), each straight onto its
+sharding (`sharding=`, or `mesh=` and the parameter's logical axes). Orbax admits the reads of one
+parameter's shards up to `budget_bytes` at a time; a parameter whose stored chunk is larger than
+that budget (the real models' stacked MLP weights: 1.45 GB) raises it for that restore instead of
+failing: a chunk is read whole anyway, so reading it in slices would not lower the peak.
+
+Every path may be relative (resolved against the working directory before it reaches orbax,
+which wants absolute paths).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxloop.models.config import LoopedConfig
 from jaxloop.models.hf_io import (
@@ -35,9 +43,11 @@ from jaxloop.models.hf_io import (
     progress_bar,
 )
 from jaxloop.models.looped import ROLES, LoopedLM
+from jaxloop.sharding import logical_to_spec
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
+RESTORE_BUDGET_BYTES = 10**9  # default in-flight read budget within one parameter
 
 
 class RunDirError(ValueError):
@@ -65,7 +75,7 @@ def _check_role(role: str) -> None:
 def write_config(run_dir: str | Path, model: LoopedLM) -> None:
     """run_dir/{role}_config.json for `model`."""
     text = json.dumps(model_hf_config(model), indent=2) + "\n"
-    (Path(run_dir) / config_file(model.role)).write_text(text)
+    (Path(run_dir).resolve() / config_file(model.role)).write_text(text)
 
 
 def save_model(
@@ -84,7 +94,7 @@ def save_model(
     write them without orbax's defensive host copy: peak memory is the model plus one parameter
     instead of about twice the model. The model is unusable afterwards (for conversions).
     """
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     role = model.role
     write_config(run_dir, model)
@@ -130,7 +140,7 @@ class _HostArrayStandardHandler(ocp.StandardCheckpointHandler):
 
 # ---- restore -----------------------------------------------------------------------------------
 def _checkpoint_dir(run_dir: str | Path) -> Path:
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
         raise RunDirError(f"run dir {run_dir} does not exist")
     ckpt = run_dir / CHECKPOINT_DIR
@@ -152,7 +162,7 @@ def latest_step(run_dir: str | Path) -> int | None:
 
 def read_config(run_dir: str | Path, role: str = "actor") -> LoopedConfig:
     """The LoopedConfig stored for `role` (default numerics: float32, no remat)."""
-    path = Path(run_dir) / config_file(role)
+    path = Path(run_dir).resolve() / config_file(role)
     if not path.is_file():
         raise RunDirError(f"{run_dir} has no {role} model ({path.name} missing)")
     hf = json.loads(path.read_text())
@@ -188,24 +198,28 @@ def restore_model(
     compute_dtype: str | None = None,
     sharding: jax.sharding.Sharding | None = None,
     progress: bool = False,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    budget_bytes: int = RESTORE_BUDGET_BYTES,
     **config_overrides,
 ) -> LoopedLM:
     """Restore the `{role}_params` item of `step` (default: latest) as a LoopedLM.
 
     dtype: parameter dtype (None keeps the stored one; otherwise orbax casts while reading).
     compute_dtype defaults to the parameter dtype. sharding: where every parameter goes
-    (default: the first local device). config_overrides go to LoopedConfig.replace
-    (remat, attention_impl...). progress: a bar over the bytes restored, on stderr.
+    (default: the first local device); or mesh: each parameter onto NamedSharding(mesh,
+    logical_to_spec(its logical_axes)), passed to orbax so that each device reads only its
+    slices (not both). budget_bytes: orbax's in-flight read budget within one parameter, raised
+    to fit the largest one (parameters are restored one at a time whatever the budget).
+    config_overrides go to LoopedConfig.replace (remat, attention_impl...). progress: a bar over
+    the bytes restored, on stderr.
     """
+    if sharding is not None and mesh is not None:
+        raise ValueError("restore_model: pass sharding or mesh, not both")
     item = params_item(role)
     ckpt = _checkpoint_dir(run_dir)
     cfg = read_config(run_dir, role)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    # Parameters are restored one at a time (below); within one, read about 1 GB at a time.
-    registry.add(item, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1))
-    with _open(ckpt, registry) as mngr, _quiet_other_items():
+    with _open(ckpt, _params_registry(item, budget_bytes)) as mngr, _quiet_other_items():
         steps = mngr.all_steps()
         if not steps:
             raise RunDirError(f"{ckpt} holds no checkpoint")
@@ -218,31 +232,70 @@ def restore_model(
             items = sorted(metadata.keys())
             raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
         stored = metadata[item].tree
-        param_dtype = dtype or str(jnp.dtype(stored["embed"].dtype))
-        cfg = cfg.replace(
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype or param_dtype,
-            **config_overrides,
-        )
-        graphdef, params, rest = nnx.split(abstract_model(cfg, role), nnx.Param, ...)
-        shapes = nnx.to_pure_dict(params)
-        _check_shapes(shapes, stored, item)
-        target = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, s.dtype if dtype is None else x.dtype, sharding=sharding
-            ),
-            shapes,
-            stored,
-        )
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-        total = sum(x.size * x.dtype.itemsize for _, x in leaves)
-        arrays = []
-        with progress_bar(total, "restoring", progress) as bar:
-            for path, x in leaves:
-                arrays.append(_restore_one(mngr, step, item, path, x))
-                bar.update(x.size * x.dtype.itemsize)
+    param_dtype = dtype or str(jnp.dtype(stored["embed"].dtype))
+    cfg = cfg.replace(
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype or param_dtype,
+        **config_overrides,
+    )
+    graphdef, params, rest = nnx.split(abstract_model(cfg, role), nnx.Param, ...)
+    shapes = nnx.to_pure_dict(params)
+    _check_shapes(shapes, stored, item)
+    if mesh is not None:
+        shardings = _mesh_shardings(params, mesh)
+    else:
+        one = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    target = jax.tree.map(
+        lambda x, s, sh: jax.ShapeDtypeStruct(
+            x.shape, s.dtype if dtype is None else x.dtype, sharding=sh
+        ),
+        shapes,
+        stored,
+        shardings,
+    )
+    # A parameter's shards are admitted up to the limit at a time, and one request (the stored
+    # chunks it touches: up to the whole parameter in its stored dtype) must fit in it: the
+    # budget, raised to the largest parameter plus a quarter (slack for chunk padding). With one
+    # parameter restored at a time, that is also what is ever in flight.
+    largest = max(
+        int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(stored)
+    )
+    limit = max(int(budget_bytes), largest + largest // 4 + 1)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    total = sum(x.size * x.dtype.itemsize for _, x in leaves)
+    arrays = []
+    with (
+        _open(ckpt, _params_registry(item, limit)) as mngr,
+        _quiet_other_items(),
+        progress_bar(total, "restoring", progress) as bar,
+    ):
+        for path, x in leaves:
+            arrays.append(_restore_one(mngr, step, item, path, x))
+            bar.update(x.size * x.dtype.itemsize)
     nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
     return nnx.merge(graphdef, params, rest)
+
+
+def _params_registry(item: str, budget_bytes: int):
+    """A registry reading `item` with orbax's in-flight byte budget set to `budget_bytes` (orbax
+    takes it in GB: a float keeps it exact to the byte)."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=budget_bytes / 10**9)
+    registry.add(item, ocp.args.PyTreeRestore, handler)
+    return registry
+
+
+def _mesh_shardings(params: nnx.State, mesh: jax.sharding.Mesh) -> dict:
+    """A pure dict of NamedShardings from each abstract parameter's logical axes."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(params):
+        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh))
+    return out
 
 
 def _restore_one(mngr, step: int, item: str, path, x: jax.ShapeDtypeStruct) -> jax.Array:

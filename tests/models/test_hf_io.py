@@ -260,6 +260,53 @@ def test_progress_bars_only_when_asked(tmp_path, capsys):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.parametrize("family", ["nanbeige", "ouro"])
+def test_load_hf_reads_in_slices(tmp_path, monkeypatch, family):
+    """Tensors read a few rows at a time (every layout: transposed, head-split, rows, scalars;
+    bf16 -> f32 casts and f32 -> f32 straight reads) give the same parameters as whole reads."""
+    from jaxloop.models import hf_io
+
+    src = tmp_path / "src"
+    write_random_checkpoint(src, family, seed=8, dtype=torch.bfloat16)
+    whole = {dtype: params_of(load_hf(src, dtype=dtype)) for dtype in ("float32", "bfloat16")}
+    save_hf(load_hf(src, dtype="float32"), tmp_path / "f32", dtype="float32")
+    reads = []
+    fill = hf_io._fill
+    monkeypatch.setattr(hf_io, "READ_CHUNK_BYTES", 100)
+    monkeypatch.setattr(hf_io, "_fill", lambda f, *a: (reads.append(f), fill(f, *a))[1])
+    for name, d in (("bf16", src), ("f32", tmp_path / "f32")):
+        for dtype in ("float32", "bfloat16"):
+            got = params_of(load_hf(d, dtype=dtype))
+            assert got.keys() == whole[dtype].keys()
+            for k, v in got.items():
+                assert v.dtype == whole[dtype][k].dtype, (name, dtype, k)
+                assert v.tobytes() == whole[dtype][k].tobytes(), (name, dtype, k)
+    assert len(reads) == 4 * len(hf_tensor_shapes(LoopedConfig.from_hf_dir(src)))
+
+
+def test_load_hf_on_a_mesh(tmp_path):
+    """mesh=make_mesh(fsdp=8): each parameter straight onto the NamedSharding of its logical
+    axes (8 fake CPU devices), values equal to the unsharded load."""
+    from jaxloop.sharding import logical_to_spec, make_mesh
+
+    write_random_checkpoint(tmp_path / "src", "ouro", seed=9, dtype=torch.bfloat16)
+    mesh = make_mesh(fsdp=8)
+    plain = dict(nnx.to_flat_state(nnx.state(load_hf(tmp_path / "src"), nnx.Param)))
+    sharded = load_hf(tmp_path / "src", mesh=mesh)
+    got = dict(nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
+    assert sorted(got) == sorted(plain)
+    specs = set()
+    for path, var in got.items():
+        want = jax.sharding.NamedSharding(mesh, logical_to_spec(var.logical_axes, var.shape, mesh))
+        array = var[...]
+        assert array.sharding == want, path
+        assert len(array.sharding.device_set) == 8
+        specs.add(tuple(want.spec))
+        assert np.asarray(array).tobytes() == np.asarray(plain[path][...]).tobytes(), path
+    assert {(None, "fsdp"), ("fsdp", None), (None, "fsdp", None)} <= specs  # embed, lm_head, MLP
+    assert sharded.config == load_hf(tmp_path / "src").config
+
+
 def test_load_hf_uses_no_deprecated_variable_api(tmp_path):
     """flax 0.12 deprecates `variable.value = ...` (a DeprecationWarning on every parameter)."""
     save_hf(_random_model(seed=3), tmp_path / "m", dtype="float32")
