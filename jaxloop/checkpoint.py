@@ -1,10 +1,14 @@
-"""Training checkpoints: actor and critic (params + optimizer) and the train state, via orbax.
+"""Training checkpoints of the TrainState, via orbax, sharded.
 
 Layout of a run dir (shared with `conversion.from_hf` / `to_hf`, see models/orbax_io.py):
-  checkpoints/<step>/{actor_params, actor_opt, critic_params, critic_opt, train_state}
+  checkpoints/<step>/{actor_params, actor_opt, critic_params, critic_opt, ref_params, train_state}
   actor_config.json, critic_config.json, tokenizer/
 <step> = number of finished updates. Orbax writes each step into a temporary directory and
-renames it when complete, so a save killed half-way is never listed (and never resumed).
+renames it when complete, so a save killed half-way is never listed (and never resumed). Every
+process writes the shards it owns; a restore reads onto the shardings of the current mesh, which
+may differ from the one that saved (fsdp=8 -> data=2 x tensor=4, or one device).
+`train_state` (JSON) holds the counters of the TrainState (update, policy_version, rng) and the
+data cursor.
 """
 
 from __future__ import annotations
@@ -12,21 +16,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxloop import sharding as shd
 from jaxloop.models.orbax_io import CHECKPOINT_DIR, params_item, write_config
-from jaxloop.rl.learner import Learner
+from jaxloop.rl.state import TrainState
 
 TRAIN_STATE = "train_state"
+ARRAY_ITEMS = {
+    params_item("actor"): "actor_params",
+    "actor_opt": "actor_opt",
+    params_item("critic"): "critic_params",
+    "critic_opt": "critic_opt",
+    "ref_params": "ref_params",
+}
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
 class TrainCheckpointer:
     def __init__(self, run_dir: str | Path, keep: int = 2):
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()
         self.manager = ocp.CheckpointManager(
             self.run_dir / CHECKPOINT_DIR,
             options=ocp.CheckpointManagerOptions(
@@ -37,38 +52,52 @@ class TrainCheckpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def write_configs(self, learner: Learner) -> None:
-        for model in (learner.actor_model(), learner.critic_model()):
+    def write_configs(self, *models) -> None:
+        for model in models:
             if model is not None:
                 write_config(self.run_dir, model)
 
-    def _items(self, learner: Learner):
-        items = {
-            params_item("actor"): learner.actor_params,
-            "actor_opt": learner.actor_opt_state,
+    @staticmethod
+    def _arrays(state: TrainState) -> dict:
+        return {
+            item: getattr(state, field)
+            for item, field in ARRAY_ITEMS.items()
+            if getattr(state, field) is not None
         }
-        if learner.critic_params is not None:
-            items[params_item("critic")] = learner.critic_params
-            items["critic_opt"] = learner.critic_opt_state
-        return items
 
-    def save(self, step: int, learner: Learner, train_state: dict) -> None:
-        args = {k: ocp.args.StandardSave(v) for k, v in self._items(learner).items()}
-        args[TRAIN_STATE] = ocp.args.JsonSave(train_state)
-        self.manager.save(step, args=ocp.args.Composite(**args), force=True)
+    def save(self, state: TrainState, extra: dict) -> None:
+        """Save `state` at step = its update count; `extra` (JSON: data cursor, seed) is stored
+        beside the counters."""
+        args = {k: ocp.args.StandardSave(v) for k, v in self._arrays(state).items()}
+        counters = {
+            "update": state.update_count,
+            "policy_version": state.version,
+            "rng": shd.to_host(state.rng).tolist(),
+        }
+        args[TRAIN_STATE] = ocp.args.JsonSave({**counters, **extra})
+        self.manager.save(state.update_count, args=ocp.args.Composite(**args), force=True)
         self.manager.wait_until_finished()
 
-    def restore(self, step: int, learner: Learner) -> dict:
-        """Load every item of `step` into `learner`; returns the train state dict."""
-        args = {k: ocp.args.StandardRestore(_abstract(v)) for k, v in self._items(learner).items()}
+    def restore(self, step: int, abstract: TrainState, shardings: TrainState):
+        """The TrainState of `step` placed on `shardings` (any mesh), and the JSON extras.
+        `abstract` gives shapes and dtypes (e.g. `jax.eval_shape` of the state builder)."""
+        targets = {
+            item: _abstract(tree, self._arrays(shardings)[item])
+            for item, tree in self._arrays(abstract).items()
+        }
+        args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
         args[TRAIN_STATE] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**args))
-        learner.actor_params = restored[params_item("actor")]
-        learner.actor_opt_state = restored["actor_opt"]
-        if learner.critic_params is not None:
-            learner.critic_params = restored[params_item("critic")]
-            learner.critic_opt_state = restored["critic_opt"]
-        return dict(restored[TRAIN_STATE])
+        extra = dict(restored[TRAIN_STATE])
+        rep = shardings.step
+        fields = {field: restored[item] for item, field in ARRAY_ITEMS.items() if item in targets}
+        state = abstract.replace(
+            **fields,
+            step=shd.put_global(np.int32(extra.pop("update")), rep),
+            policy_version=shd.put_global(np.int32(extra.pop("policy_version")), rep),
+            rng=shd.put_global(np.asarray(extra.pop("rng"), np.uint32), rep),
+        )
+        return state, extra
 
     def close(self) -> None:
         self.manager.close()

@@ -8,7 +8,9 @@ errors (UsageError: one line, exit code 2).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_every = 10
     c.eval_prompts = 64
     c.progress = True
+    c.verbose = False
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_dir = ""  # empty: the built-in tiny model from random init; else load_hf(hf_dir)
@@ -89,6 +92,7 @@ def base_config() -> ml_collections.ConfigDict:
     # not is killed, restarted with the committed policy and its part regenerated (health checks:
     # min(120, this))
     c.rollout.engine_timeout_s = 600.0
+    c.rollout.engine_log_level = "WARNING"  # engine actors (vLLM, Ray); verbose=True: INFO
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # 'adamw' or 'sgd' (no momentum)
@@ -140,6 +144,187 @@ def base_config() -> ml_collections.ConfigDict:
     c.draft_features.max_tokens_per_update = 4096
     c.draft_features.max_bytes = 256 * 2**20
     return c
+
+
+# One line per section and per key of base_config(): the source of `--help` (and of the README's
+# pointer to it). tests/test_config.py checks that every key has one and that none is stale.
+SECTIONS = {
+    "": "the run",
+    "model": "the policy model (the critic copies its architecture and backbone)",
+    "data": "prompts, tokenizer and reward",
+    "rollout": "sampling engines (jax: embedded sampler; vllm: vLLM engine actors on Ray)",
+    "optim": "the actor's optimizer",
+    "critic": "the value model (ppo, dppo, flow_dppo)",
+    "algo": "loss and advantage hyper-parameters",
+    "mesh": "device mesh ('data', 'fsdp', 'tensor') for training and the embedded sampler",
+    "dist": "many processes (jax.distributed.initialize)",
+    "draft_features": "saving LM-head input hidden states for draft-model training",
+}
+
+DESCRIPTIONS = {
+    "run_dir": "run directory (checkpoints, metrics.jsonl, tb/, curves.png); one with a "
+    "checkpoint resumes",
+    "seed": "seed of the model init, the data order and the per-sample sampling seeds",
+    "algorithm": "ppo | grpo | dppo | flow_dppo",
+    "total_updates": "updates of the whole run (raise it to continue a finished run)",
+    "stop_after": ">0: stop after this many updates of this process (rerun to resume); 0: off",
+    "prompts_per_update": "prompts per rollout batch",
+    "n_samples_per_prompt": "samples per prompt (one group; grpo needs >= 2)",
+    "micro_batch_size": "samples per forward/backward pass (gradients are accumulated)",
+    "updates_per_rollout": "optimizer steps per rollout batch (its mini-batches); 0: the "
+    "algorithm's default (flow_dppo 2, else 1)",
+    "checkpoint_every": "checkpoint every N updates (and after this process's last update)",
+    "keep_checkpoints": "checkpoints kept (older ones are deleted)",
+    "eval_every": "greedy evaluation on held-out prompts every N updates (and after the last)",
+    "eval_prompts": "held-out prompts per evaluation",
+    "progress": "progress bar on a terminal (not a terminal: one line at the end)",
+    "verbose": "show every engine, Ray and vLLM log line (overrides rollout.engine_log_level)",
+    "model.hf_dir": "start from this HF checkpoint dir; empty: the built-in model below from "
+    "random init",
+    "model.init_checkpoint": "start from a run dir written by `conversion.from_hf`",
+    "model.family": "built-in model: nanbeige (pre-norm) | ouro (sandwich norm, exit gate)",
+    "model.vocab_size": "built-in model: vocabulary size (the char tokenizer uses it)",
+    "model.hidden_size": "built-in model: hidden size",
+    "model.intermediate_size": "built-in model: MLP size",
+    "model.num_layers": "built-in model: physical layers (shared by every loop)",
+    "model.num_heads": "built-in model: attention heads",
+    "model.num_kv_heads": "built-in model: key/value heads (grouped-query attention)",
+    "model.head_dim": "built-in model: head dimension (vLLM on CPU needs >= 32)",
+    "model.num_loops": "built-in model: loops over the layer stack (ouro: total_ut_steps)",
+    "model.rope_theta": "built-in model: RoPE base",
+    "model.param_dtype": "parameter dtype: float32 | bfloat16",
+    "model.compute_dtype": "compute dtype: float32 | bfloat16",
+    "model.remat": "activation rematerialisation: none | full | dots",
+    "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
+    "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
+    "data.task": "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10",
+    "data.num_digits": "built-in task: digits per prompt",
+    "data.tokenizer": "char (one token per character) or a local HF tokenizer dir",
+    "data.reward": "exact_match | prefix_match | math_verify | module:function",
+    "data.max_prompt_tokens": "longest allowed prompt in tokens (checked before training)",
+    "rollout.engine": "jax (embedded KV-cache sampler) | vllm (vLLM engine actors on Ray)",
+    "rollout.temperature": "sampling temperature (> 0); log-probs are of the tempered policy",
+    "rollout.top_p": "nucleus sampling threshold (1: off)",
+    "rollout.top_k": "top-k sampling (-1: off)",
+    "rollout.max_new_tokens": "response length limit in tokens",
+    "rollout.max_logprob_diff": "stop (exit 3) when engine and trainer log-probs differ by more; "
+    "0: 1e-3 (jax, fp32) or 0.03 (vllm or bf16)",
+    "rollout.num_engines": "vllm: engine actors (one placement-group bundle each)",
+    "rollout.ray_address": "vllm: join this Ray cluster (HOST:PORT); empty: start a local one",
+    "rollout.publish_bucket_mb": "vllm: policy publication bucket size in MB",
+    "rollout.transport": "vllm: publication transport object_store | disk",
+    "rollout.engine_timeout_s": "vllm: seconds an engine may take for its part of a generate "
+    "call; past it, it is restarted and its part regenerated",
+    "rollout.engine_log_level": "vllm: log level in the engine actors: DEBUG | INFO | WARNING | "
+    "ERROR",
+    "optim.name": "adamw | sgd (no momentum)",
+    "optim.lr": "actor learning rate (peak)",
+    "optim.schedule": "constant | cosine | linear (over total_updates x updates_per_rollout)",
+    "optim.warmup_steps": "linear warm-up steps",
+    "optim.weight_decay": "AdamW weight decay",
+    "optim.b1": "Adam beta1",
+    "optim.b2": "Adam beta2",
+    "optim.grad_clip": "global gradient-norm clip of actor and critic (0: off)",
+    "critic.lr": "critic learning rate (constant)",
+    "critic.steps_per_rollout": "critic optimizer steps per rollout batch",
+    "algo.clip_eps": "PPO ratio clip (both sides unless clip_eps_high)",
+    "algo.clip_eps_high": "upper ratio clip (clip-higher); <0: clip_eps",
+    "algo.dual_clip": "dual-clip bound (> 1) for negative advantages; <0: off",
+    "algo.kl_coef": "grpo: KL-to-reference loss coefficient (0: no reference model)",
+    "algo.kl_estimator": "KL estimator: k1 | k2 | k3",
+    "algo.behav_weight_min": "dppo: lower clamp of the behaviour weight exp(prox - behav)",
+    "algo.behav_weight_max": "dppo: upper clamp of the behaviour weight",
+    "algo.behav_drop_cap": "dppo: >0: tokens whose behaviour weight exceeds it get weight 0 "
+    "(instead of the clamp); <0: off",
+    "algo.flow_delta": "flow_dppo: trust region; tokens with D = KL(pi_old || pi) > delta are "
+    "blocked",
+    "algo.value_clip": "critic: clip of the new values around the old ones; <0: off",
+    "algo.gamma": "GAE discount",
+    "algo.lam": "GAE lambda",
+    "algo.whiten_advantages": "whiten GAE advantages over the batch",
+    "algo.grpo_use_std": "grpo: divide advantages by the group std (false: Dr.GRPO)",
+    "algo.reduction": "loss reduction: seq_mean_token_mean | token_mean",
+    "mesh.data": "data-parallel axis size (-1: the remaining devices)",
+    "mesh.fsdp": "fully-sharded data-parallel axis size (-1: the remaining devices)",
+    "mesh.tensor": "tensor-parallel axis size (-1: the remaining devices)",
+    "dist.coordinator_address": "coordinator HOST:PORT; empty: one process (or what the cluster "
+    "environment says)",
+    "dist.num_processes": "processes in the job (0: one, or detected)",
+    "dist.process_id": "this process's index (-1: detected)",
+    "draft_features.enabled": "save features to <run_dir>/draft_features/ every update",
+    "draft_features.max_tokens_per_update": "feature rows per update at most",
+    "draft_features.max_bytes": "feature bytes of the whole run at most",
+}
+
+HELP_WIDTH = 100
+USAGE = "usage: python -m jaxloop.train --config NAME_OR_PATH [--config.key=value ...] [--dry-run]"
+
+
+def flat_items(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf, in the order the keys were defined."""
+    out = []
+    for key in getattr(cfg, "_fields", None) or cfg.keys():  # keys() sorts
+        value, name = cfg[key], f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.extend(flat_items(value, f"{name}."))
+        else:
+            out.append((name, value))
+    return out
+
+
+def _by_section(cfg) -> dict[str, list[tuple[str, Any]]]:
+    sections: dict[str, list[tuple[str, Any]]] = {}
+    for key, value in flat_items(cfg):
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        sections.setdefault(section, []).append((key, value))
+    return sections
+
+
+def format_help(cfg: ml_collections.ConfigDict | None = None, config_name: str = "") -> str:
+    """Usage, the flags and every key by section with its value in `cfg` (default:
+    base_config()) and its description."""
+    cfg = base_config() if cfg is None else cfg
+    source = config_name or "base_config(); configs/*.py change some"
+    lines = [
+        USAGE,
+        "",
+        "  --config NAME_OR_PATH   a config file (a bare name resolves in configs/)",
+        "  --config.KEY=VALUE      override one key (also --config.KEY VALUE)",
+        "  --dry-run               load, override and validate; print the resolved config; "
+        "write nothing",
+        "  -h, --help              this list",
+        "",
+        f"keys (values of {source}):",
+    ]
+    for section, items in _by_section(cfg).items():
+        lines.append("")
+        lines.append(f"[{section or 'top level'}] {SECTIONS.get(section, '')}".rstrip())
+        cells = [(f"{key}={value!r}", DESCRIPTIONS.get(key, "")) for key, value in items]
+        width = min(max(len(c) for c, _ in cells) + 2, 44)
+        for cell, text in cells:
+            wrapped = textwrap.wrap(text, max(40, HELP_WIDTH - width - 2)) or [""]
+            if len(cell) > width - 2:  # a long value: the description starts on the next line
+                lines.append(f"  {cell}")
+                wrapped_first = []
+            else:
+                lines.append(f"  {cell:<{width}}{wrapped[0]}".rstrip())
+                wrapped_first = wrapped[:1]
+            lines.extend(" " * (width + 2) + w for w in wrapped[len(wrapped_first) :])
+    return "\n".join(lines)
+
+
+def format_tree(cfg: ml_collections.ConfigDict, base: ml_collections.ConfigDict | None = None):
+    """The resolved config by section, `key = value`; values that differ from `base`
+    (default: base_config()) are marked with the default."""
+    base = dict(flat_items(base_config() if base is None else base))
+    lines = []
+    for section, items in _by_section(cfg).items():
+        lines.append(f"{section or 'top level'}:")
+        for key, value in items:
+            name = key.rsplit(".", 1)[-1]
+            mark = f"  # default {base[key]!r}" if key in base and base[key] != value else ""
+            lines.append(f"  {name} = {value!r}{mark}")
+    return "\n".join(lines)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -208,17 +393,52 @@ def apply_override(cfg: ml_collections.ConfigDict, key: str, raw: str) -> None:
         node[parts[-1]] = _parse_value(raw, current, key)
 
 
+@dataclasses.dataclass
+class Command:
+    """A parsed command line: the validated config (None with --help), and the flags."""
+
+    cfg: ml_collections.ConfigDict | None
+    dry_run: bool = False
+    help: str = ""  # with -h / --help: the text to print (nothing else is done)
+
+
 def parse_args(argv: list[str]) -> ml_collections.ConfigDict:
     """`--config NAME` then any number of `--config.key=value` / `--config.key value`."""
+    command = parse_command(argv)
+    if command.help:
+        raise UsageError(USAGE)
+    return command.cfg
+
+
+def parse_command(argv: list[str]) -> Command:
+    """parse_args plus `--dry-run` and `-h` / `--help` (help wins over everything else; with
+    `--config NAME` it shows that config's values)."""
+    if "-h" in argv or "--help" in argv:
+        name = _config_name(argv)
+        cfg = load_config_file(name) if name else None
+        return Command(None, help=format_help(cfg, name or ""))
+    dry_run = "--dry-run" in argv
+    return Command(_parse_config(argv), dry_run=dry_run)
+
+
+def _config_name(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _parse_config(argv: list[str]) -> ml_collections.ConfigDict:
     config_name = None
     overrides: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("-h", "--help"):
-            raise UsageError(
-                "usage: python -m jaxloop.train --config NAME_OR_PATH [--config.key=value ...]"
-            )
+        if arg == "--dry-run":
+            i += 1
+            continue
         if arg == "--config" or arg.startswith("--config="):
             if "=" in arg:
                 config_name = arg.split("=", 1)[1]
@@ -287,3 +507,67 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
         raise UsageError(f"algo.reduction={cfg.algo.reduction!r}")
+    if cfg.rollout.engine_log_level.upper() not in LOG_LEVELS:
+        raise UsageError(
+            f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "
+            f"{'/'.join(LOG_LEVELS)}"
+        )
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def engine_log_level(cfg) -> str:
+    """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
+    level = cfg.rollout.engine_log_level.upper()
+    return "INFO" if cfg.verbose and level != "DEBUG" else level
+
+
+def mesh_axis_sizes(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """The mesh section resolved against the device count (-1 takes the remaining devices)."""
+    sizes = {axis: int(cfg.mesh[axis]) for axis in ("data", "fsdp", "tensor")}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
+        raise UsageError(f"mesh {sizes}: each axis is >= 1, and at most one may be -1")
+    known = 1
+    for size in sizes.values():
+        known *= size if size != -1 else 1
+    if free:
+        if num_devices % known:
+            raise UsageError(f"mesh {sizes} does not divide {num_devices} devices")
+        sizes[free[0]] = num_devices // known
+    total = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    if total != num_devices:
+        raise UsageError(
+            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"{total} devices, but {num_devices} are available"
+        )
+    return sizes
+
+
+def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config) -> dict:
+    """Mesh checks that need the device count and the model's shape (so they run once both are
+    known, before anything is built or written). Returns the resolved axis sizes."""
+    sizes = mesh_axis_sizes(cfg, num_devices)
+    tensor, data_parallel = sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    for name, value in (
+        ("query heads", model_config.num_heads),
+        ("MLP width (intermediate_size)", model_config.intermediate_size),
+    ):
+        if value % tensor:
+            raise UsageError(f"mesh.tensor={tensor} does not divide the model's {name} ({value})")
+    samples = cfg.prompts_per_update * cfg.n_samples_per_prompt
+    for name, value in (
+        ("micro_batch_size", cfg.micro_batch_size),
+        ("samples per update", samples),
+    ):
+        if value % data_parallel:
+            raise UsageError(
+                f"{name}={value} is not divisible by mesh data x fsdp = {data_parallel}"
+            )
+    if cfg.rollout.engine != "jax" and cfg.dist.num_processes > 1:
+        raise UsageError(
+            "rollout.engine=vllm with dist.num_processes > 1 is not supported: remote engines "
+            "are fed by a single trainer process"
+        )
+    return sizes

@@ -1,7 +1,12 @@
 """Mesh construction and the one logical-axis -> mesh-axis rules table (MaxText style).
 
-Every parameter carries `logical_axes` metadata ('vocab', 'embed', 'q_heads', ...); this module
-turns those names into PartitionSpecs over a ('data', 'fsdp', 'tensor') mesh.
+Every parameter carries `logical_axes` metadata ('vocab', 'embed', 'q_heads', ...) and the model
+marks its activations with the same kind of names (`constrain`); this module turns both into
+PartitionSpecs over a ('data', 'fsdp', 'tensor') mesh. Weights: embed/vocab over 'fsdp' (vocab
+over 'tensor' when 'tensor' > 1), heads and MLP over 'tensor'. Activations: batch over
+('data', 'fsdp'), heads / MLP / vocab over 'tensor', the hidden width replicated. KV caches: batch
+and kv_heads. A dimension a mesh axis does not divide (KV heads fewer than 'tensor', odd vocab
+sizes) stays replicated over it, as vLLM and MaxText do.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("norm", None),
     ("length", None),
+    # activations only: the hidden width of [batch, length, embed] stays whole on each device
+    ("act_embed", None),
+    ("loops", None),
 )
 
 
@@ -107,3 +115,81 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules=DEFAULT_RULES) -> NamedShard
     axes = tuple(a for a in ((target,) if isinstance(target, str) else target) if mesh.shape[a] > 1)
     first = axes if len(axes) > 1 else (axes[0] if axes else None)
     return NamedSharding(mesh, PartitionSpec(first, *([None] * (ndim - 1))))
+
+
+# ---- activations ---------------------------------------------------------------------------------
+def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> jax.Array:
+    """with_sharding_constraint from logical axis names, under the mesh set by `jax.set_mesh`;
+    a no-op outside one (single-device code paths stay exactly as they were)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh, rules))
+
+
+# ---- pure-dict parameter trees (the train state) ----
+def param_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+    """A pure dict (the layout of `nnx.state(model).to_pure_dict()`) of NamedShardings from each
+    variable's logical axes; `model` may be abstract (`nnx.eval_shape`)."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh, rules))
+    return out
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def data_parallel_size(mesh: Mesh, rules=DEFAULT_RULES) -> int:
+    """How many ways the batch axis is split (the product of its mesh axes)."""
+    target = dict(rules)["batch"]
+    axes = (target,) if isinstance(target, str) else tuple(target)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same on every process) as a global jax.Array: each process builds only
+    the shards of its own devices, so this works across hosts as well as on one."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-host) array on this host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds of the arrays in `tree` (addressable shards only)."""
+    held: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def assert_params_sharded(tree, num_shards: int, replicated_allowance: int | None = None) -> None:
+    """No device holds more than 1/num_shards of the parameter bytes plus the replicated small
+    vectors (norm scales, biases: every leaf of rank <= 1 by default). Raises AssertionError with
+    the worst device otherwise (the MaxText check, on the train state's parameters)."""
+    leaves = jax.tree.leaves(tree)
+    total = sum(leaf.nbytes for leaf in leaves)
+    if replicated_allowance is None:
+        replicated_allowance = sum(leaf.nbytes for leaf in leaves if leaf.ndim <= 1)
+    limit = total / num_shards + replicated_allowance
+    held = per_device_bytes(tree)
+    worst = max(held, key=held.get)
+    if held[worst] > limit:
+        raise AssertionError(
+            f"device {worst} holds {held[worst]:,} of {total:,} parameter bytes; "
+            f"limit {limit:,.0f} (1/{num_shards} + {replicated_allowance:,} replicated)"
+        )

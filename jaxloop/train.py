@@ -17,18 +17,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxloop import distributed
+from jaxloop import sharding as shd
 from jaxloop.checkpoint import TrainCheckpointer
-from jaxloop.config import UsageError, default_logprob_diff, parse_args
+from jaxloop.config import (
+    UsageError,
+    default_logprob_diff,
+    format_tree,
+    parse_command,
+    validate_mesh,
+)
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
-from jaxloop.models.hf_io import CheckpointError
-from jaxloop.models.orbax_io import RunDirError, restore_model
+from jaxloop.models.hf_io import CheckpointError, abstract_model, read_hf_config
+from jaxloop.models.orbax_io import RunDirError, read_config, restore_model
+from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
-from jaxloop.rl.learner import Learner, LearnerConfig, build_rollout_arrays, make_optimizer
+from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rl.learner import Learner, LearnerConfig, make_optimizer, metrics_to_host
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.state import (
+    TrainState,
+    abstract_params,
+    abstract_train_state,
+    build_train_state,
+    state_shardings,
+)
 from jaxloop.rollout.producer import (
     ProducerSettings,
     RolloutProducer,
@@ -36,6 +53,7 @@ from jaxloop.rollout.producer import (
     derive_seed,
 )
 from jaxloop.rollout.types import SamplingConfig
+from jaxloop.summary import completed_update, finish_report
 
 
 class LogprobMismatchError(RuntimeError):
@@ -43,19 +61,19 @@ class LogprobMismatchError(RuntimeError):
 
 
 # ---- building blocks from the config ----
-def build_actor(cfg) -> LoopedLM:
+def actor_config(cfg) -> LoopedConfig:
+    """The actor's LoopedConfig: from model.hf_dir, model.init_checkpoint or the tiny keys."""
     m = cfg.model
-    numerics = dict(remat=m.remat, attention_impl=m.attention_impl)
+    numerics = dict(
+        param_dtype=m.param_dtype,
+        compute_dtype=m.compute_dtype,
+        remat=m.remat,
+        attention_impl=m.attention_impl,
+    )
     if m.hf_dir:
-        return load_hf(m.hf_dir, dtype=m.param_dtype, compute_dtype=m.compute_dtype, **numerics)
+        return read_hf_config(m.hf_dir)[0].replace(**numerics)
     if m.init_checkpoint:
-        return restore_model(
-            m.init_checkpoint,
-            "actor",
-            dtype=m.param_dtype,
-            compute_dtype=m.compute_dtype,
-            **numerics,
-        )
+        return read_config(m.init_checkpoint, "actor").replace(**numerics)
     overrides = dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
@@ -67,23 +85,61 @@ def build_actor(cfg) -> LoopedLM:
         rope_theta=m.rope_theta,
     )
     overrides["total_ut_steps" if m.family == "ouro" else "num_loops"] = m.num_loops
-    model_cfg = LoopedConfig.from_hf_dict(tiny_hf_config(m.family, **overrides)).replace(
-        param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, **numerics
-    )
-    return LoopedLM(model_cfg, rngs=nnx.Rngs(derive_seed(cfg.seed, 0xA)))
+    return LoopedConfig.from_hf_dict(tiny_hf_config(m.family, **overrides)).replace(**numerics)
+
+
+def init_actor_params(cfg, model_cfg: LoopedConfig, mesh, shardings: dict) -> dict:
+    """Fresh actor parameters, each tensor straight onto its sharding."""
+    m = cfg.model
+    numerics = dict(remat=m.remat, attention_impl=m.attention_impl)
+    if m.hf_dir:
+        model = load_hf(
+            m.hf_dir, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh, **numerics
+        )
+        return nnx.state(model).to_pure_dict()
+    if m.init_checkpoint:
+        model = restore_model(
+            m.init_checkpoint,
+            "actor",
+            dtype=m.param_dtype,
+            compute_dtype=m.compute_dtype,
+            mesh=mesh,
+            **numerics,
+        )
+        return nnx.state(model).to_pure_dict()
+    seed = derive_seed(cfg.seed, 0xA)
+    return jax.jit(
+        lambda: nnx.state(LoopedLM(model_cfg, rngs=nnx.Rngs(seed))).to_pure_dict(),
+        out_shardings=shardings,
+    )()
+
+
+def build_actor(cfg) -> LoopedLM:
+    """The actor as a LoopedLM on the default device (tests, scripts; training uses `Training`)."""
+    model_cfg = actor_config(cfg)
+    params = init_actor_params(cfg, model_cfg, None, None)
+    model = abstract_model(model_cfg, "actor")
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(nnx.graphdef(model), state)
+
+
+def critic_from_actor(actor_params: dict, model_cfg: LoopedConfig, seed: int) -> dict:
+    """Critic parameters: the actor's backbone (copied) with a fresh value head."""
+    critic = nnx.state(LoopedLM(model_cfg, rngs=nnx.Rngs(seed), role="critic")).to_pure_dict()
+    for key in critic:
+        if key in actor_params:
+            critic[key] = jax.tree.map(jnp.copy, actor_params[key])
+    return critic
 
 
 def build_critic(actor: LoopedLM, seed: int) -> LoopedLM:
     """Same architecture with a value head; the backbone starts as a copy of the actor's."""
     critic = LoopedLM(actor.config, rngs=nnx.Rngs(seed), role="critic")
-    actor_params = nnx.state(actor, nnx.Param).to_pure_dict()
-    critic_state = nnx.state(critic, nnx.Param)
-    pure = critic_state.to_pure_dict()
-    for key in pure:
-        if key in actor_params:
-            pure[key] = jax.tree.map(jnp.copy, actor_params[key])
-    critic_state.replace_by_pure_dict(pure)
-    nnx.update(critic, critic_state)
+    pure = critic_from_actor(nnx.state(actor).to_pure_dict(), actor.config, seed)
+    state = nnx.state(critic)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(critic, state)
     return critic
 
 
@@ -105,40 +161,104 @@ def loss_hparams(cfg) -> LossHParams:
     )
 
 
-def build_learner(cfg, actor: LoopedLM) -> Learner:
-    algo = get_algorithm(cfg.algorithm)
-    try:
-        hparams = loss_hparams(cfg)
-    except ValueError as err:
-        raise UsageError(f"algo: {err}") from None
-    steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
-    o = cfg.optim
-    total = cfg.total_updates * steps
-    actor_tx = make_optimizer(
-        o.name, o.lr, o.schedule, o.warmup_steps, total, o.weight_decay, o.b1, o.b2, o.grad_clip
-    )
-    critic = critic_tx = None
-    if algo.uses_critic:
-        critic = build_critic(actor, derive_seed(cfg.seed, 0xC))
-        critic_tx = make_optimizer(
-            o.name, cfg.critic.lr, "constant", 0, total, 0.0, o.b1, o.b2, o.grad_clip
+def uses_reference(cfg) -> bool:
+    """A KL-to-reference term is on: in the loss (GRPO) or in the rewards (the critic family)."""
+    return cfg.algo.kl_coef > 0
+
+
+class Training:
+    """The learner and the shardings of its state, built from the config on a mesh."""
+
+    def __init__(self, cfg, model_cfg: LoopedConfig, mesh):
+        algo = get_algorithm(cfg.algorithm)
+        try:
+            hparams = loss_hparams(cfg)
+        except ValueError as err:
+            raise UsageError(f"algo: {err}") from None
+        self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
+        steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
+        o = cfg.optim
+        total = cfg.total_updates * steps
+        self.actor_tx = make_optimizer(
+            o.name, o.lr, o.schedule, o.warmup_steps, total, o.weight_decay, o.b1, o.b2, o.grad_clip
         )
-    reference = None
-    if algo.uses_reference and cfg.algo.kl_coef > 0:
-        reference = (
-            actor  # frozen: the learner keeps its own (immutable) copy of the initial params
+        self.actor_abstract = abstract_model(model_cfg, "actor")
+        actor_graphdef = nnx.split(self.actor_abstract)[0]
+        self.critic_abstract = self.critic_tx = critic_graphdef = None
+        if algo.uses_critic:
+            self.critic_abstract = abstract_model(model_cfg, "critic")
+            critic_graphdef = nnx.split(self.critic_abstract)[0]
+            self.critic_tx = make_optimizer(
+                o.name, cfg.critic.lr, "constant", 0, total, 0.0, o.b1, o.b2, o.grad_clip
+            )
+        self.shardings = state_shardings(
+            mesh,
+            shd.param_shardings(self.actor_abstract, mesh),
+            abstract_params(self.actor_abstract),
+            self.actor_tx,
+            None
+            if self.critic_abstract is None
+            else shd.param_shardings(self.critic_abstract, mesh),
+            None if self.critic_abstract is None else abstract_params(self.critic_abstract),
+            self.critic_tx,
+            with_reference=uses_reference(cfg),
         )
-    lcfg = LearnerConfig(
-        micro_batch_size=cfg.micro_batch_size,
-        temperature=cfg.rollout.temperature,
-        updates_per_rollout=steps,
-        critic_steps=cfg.critic.steps_per_rollout,
-        gamma=cfg.algo.gamma,
-        lam=cfg.algo.lam,
-        whiten_advantages=cfg.algo.whiten_advantages,
-        grpo_use_std=cfg.algo.grpo_use_std,
-    )
-    return Learner(actor, critic, algo, hparams, lcfg, actor_tx, critic_tx, reference)
+        lcfg = LearnerConfig(
+            micro_batch_size=cfg.micro_batch_size,
+            temperature=cfg.rollout.temperature,
+            updates_per_rollout=steps,
+            critic_steps=cfg.critic.steps_per_rollout,
+            advantage=AdvantageHParams(
+                gamma=cfg.algo.gamma,
+                lam=cfg.algo.lam,
+                kl_coef=cfg.algo.kl_coef,
+                whiten=cfg.algo.whiten_advantages,
+                grpo_use_std=cfg.algo.grpo_use_std,
+            ),
+        )
+        self.learner = Learner(
+            actor_graphdef,
+            critic_graphdef,
+            algo,
+            hparams,
+            lcfg,
+            self.actor_tx,
+            self.critic_tx,
+            mesh=mesh,
+            state_shardings=self.shardings,
+        )
+
+    def fresh_state(self) -> TrainState:
+        cfg = self.cfg
+        actor = init_actor_params(cfg, self.model_cfg, self.mesh, self.shardings.actor_params)
+        critic = None
+        if self.critic_abstract is not None:
+            seed = derive_seed(cfg.seed, 0xC)
+            critic = jax.jit(
+                lambda a: critic_from_actor(a, self.model_cfg, seed),
+                out_shardings=self.shardings.critic_params,
+            )(actor)
+        return build_train_state(
+            actor, self.actor_tx, critic, self.critic_tx, shardings=self.shardings, seed=cfg.seed
+        )
+
+    def abstract_state(self) -> TrainState:
+        return abstract_train_state(
+            abstract_params(self.actor_abstract),
+            self.actor_tx,
+            None if self.critic_abstract is None else abstract_params(self.critic_abstract),
+            self.critic_tx,
+            with_reference=uses_reference(self.cfg),
+        )
+
+    def policy(self, state: TrainState) -> nnx.State:
+        """The actor parameters of `state` as the nnx.State engines take (no copy)."""
+        policy = nnx.state(self.actor_abstract)
+        nnx.replace_by_pure_dict(policy, state.actor_params)
+        return policy
+
+    def actor_model(self, state: TrainState) -> LoopedLM:
+        return nnx.merge(nnx.graphdef(self.actor_abstract), self.policy(state))
 
 
 # ---- the loop ----
@@ -168,15 +288,25 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
     )
 
 
-def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings):
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None):
     """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
     if cfg.rollout.engine == "jax":
         from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
-        return RolloutProducer(settings, JaxSamplerEngine(actor))
+        return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
     from jaxloop.rollout.ray_bridge import RayRolloutClient
 
     return RayRolloutClient(cfg, actor, settings)
+
+
+class _NoMetrics:
+    """Metrics sink of processes other than 0 (only process 0 writes metrics)."""
+
+    def write(self, update, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Trainer:
@@ -184,38 +314,66 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir).resolve()
         self.algo = get_algorithm(cfg.algorithm)
-        actor = build_actor(cfg)
+        distributed.initialize(cfg.dist)
+        self.is_main = distributed.is_main_process()
+        model_cfg = actor_config(cfg)
+        sizes = validate_mesh(cfg, jax.device_count(), model_cfg)
+        self.mesh = shd.make_mesh(**sizes)
+        self.training = Training(cfg, model_cfg, self.mesh)
+        self.learner = self.training.learner
         settings = producer_settings(cfg, self.algo.requires_groups)
-        if cfg.data.tokenizer == "char" and cfg.model.vocab_size != actor.config.vocab_size:
-            settings = dataclasses.replace(settings, vocab_size=actor.config.vocab_size)
-        self.learner = build_learner(cfg, actor)
-        self.producer = build_producer(cfg, actor, settings)
+        if cfg.data.tokenizer == "char" and cfg.model.vocab_size != model_cfg.vocab_size:
+            settings = dataclasses.replace(settings, vocab_size=model_cfg.vocab_size)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
-        self.start_update, self.version = 0, 0
         step = self.checkpointer.latest_step()
+        cursor = None
         if step is not None:
-            state = self.checkpointer.restore(step, self.learner)
-            self.start_update = int(state["update"])
-            self.version = int(state["policy_version"])
-            self.producer.restore(state["data_cursor"])
+            self.state, extra = self.checkpointer.restore(
+                step, self.training.abstract_state(), self.training.shardings
+            )
+            cursor = extra["data_cursor"]
         else:
-            self.checkpointer.write_configs(self.learner)
-            (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
-        self.metrics = MetricsWriter(self.run_dir, start_update=self.start_update)
+            self.state = self.training.fresh_state()
+            if self.is_main:
+                self.checkpointer.write_configs(
+                    self.training.actor_abstract, self.training.critic_abstract
+                )
+                (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+        self.start_update = self.state.update_count
+        engine_model = (
+            self.training.actor_abstract
+            if cfg.rollout.engine == "jax"
+            else self.training.actor_model(self.state)
+        )
+        self.producer = build_producer(cfg, engine_model, settings, self.mesh)
+        if cursor is not None:
+            self.producer.restore(cursor)
+        self.metrics = (
+            MetricsWriter(self.run_dir, start_update=self.start_update)
+            if self.is_main
+            else _NoMetrics()
+        )
         self.features = None
-        if cfg.draft_features.enabled:
+        if cfg.draft_features.enabled and self.is_main:
             tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
             self.features = DraftFeatureWriter(
                 self.run_dir,
                 cfg.draft_features.max_tokens_per_update,
                 cfg.draft_features.max_bytes,
-                config_digest(actor.config.to_hf_dict()),
+                config_digest(model_cfg.to_hf_dict()),
                 tokenizer.digest(),
             )
 
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    def publish(self):
+        return self.producer.publish(self.training.policy(self.state), self.state.version)
+
     def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
-        diff = np.abs(np.asarray(old_lp) - arrays.behav_logprobs) * arrays.response_mask
+        diff = np.abs(old_lp - arrays.behav_logprobs) * arrays.response_mask
         stats = {
             "logprob_diff_max": float(diff.max()),
             "logprob_diff_mean": float(diff.sum() / max(arrays.response_mask.sum(), 1.0)),
@@ -233,7 +391,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.producer.publish(self.learner.actor_state(), self.version)
+        self.publish()
         last = cfg.total_updates
         stop_at = last if cfg.stop_after <= 0 else min(last, self.start_update + cfg.stop_after)
         bar = progress(
@@ -248,14 +406,7 @@ class Trainer:
                 done = update + 1
                 if done % cfg.checkpoint_every == 0 or done == stop_at:
                     self.checkpointer.save(
-                        done,
-                        self.learner,
-                        {
-                            "update": done,
-                            "policy_version": self.version,
-                            "data_cursor": self.producer.state(),
-                            "seed": cfg.seed,
-                        },
+                        self.state, {"data_cursor": self.producer.state(), "seed": cfg.seed}
                     )
         finally:
             bar.close()
@@ -275,26 +426,31 @@ class Trainer:
         metrics["time_generate"] = time.perf_counter() - t0
         if not samples:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
-        arrays = build_rollout_arrays(samples, [s.reward for s in samples])
+        batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
+        device_batch = self.learner.place_batch(batch.arrays())
         t1 = time.perf_counter()
         if self.features is None:
-            old_lp = jax.block_until_ready(self.learner.recompute_logprobs(arrays))
+            old_lp = self.learner.old_logprobs(self.state, device_batch)
         else:  # the same forward also yields the draft-model features
-            old_lp, hidden = self.learner.recompute_logprobs(arrays, with_hidden=True)
+            old_lp, hidden = self.learner.old_logprobs(self.state, device_batch, with_hidden=True)
             metrics["draft_feature_tokens"] = float(
-                self.features.write(update, self.version, samples, arrays, hidden)
+                self.features.write(update, self.version, samples, batch, shd.to_host(hidden))
             )
-        time_old = time.perf_counter() - t1
-        metrics.update(self.check_logprobs(update, arrays, old_lp))
-        metrics.update(self.learner.update(arrays, old_lp))
-        metrics["time_old_logprobs"] += time_old
+        old_lp_host = shd.to_host(old_lp)
+        metrics["time_old_logprobs"] = time.perf_counter() - t1
+        metrics.update(self.check_logprobs(update, batch, old_lp_host))
+        t_update = time.perf_counter()
+        self.state, update_metrics = self.learner.update(
+            self.state, {**device_batch, "old_logprobs": old_lp}
+        )
+        metrics.update(metrics_to_host(update_metrics))
+        metrics["time_update"] = time.perf_counter() - t_update
         t2 = time.perf_counter()
-        self.version += 1
-        publish = self.producer.publish(self.learner.actor_state(), self.version)
+        publish = self.publish()
         metrics["time_publish"] = time.perf_counter() - t2
         metrics["publish_gb_per_s"] = float(publish.gb_per_s)
         metrics["tokens_per_s"] = float(
-            arrays.response_mask.sum() / max(time.perf_counter() - t0, 1e-9)
+            batch.response_mask.sum() / max(time.perf_counter() - t0, 1e-9)
         )
         if update + 1 == last:
             metrics["final_eval_reward"] = self.producer.evaluate()
@@ -302,10 +458,96 @@ class Trainer:
         bar.step(metrics)
 
 
+def _stored_vocab_size(cfg) -> int:
+    """The vocabulary of the model a run starts from, read from its config file (dry run: no
+    model is built); the config's model.vocab_size for the built-in model."""
+    m = cfg.model
+    for path in (
+        Path(m.hf_dir) / "config.json" if m.hf_dir else None,
+        Path(m.init_checkpoint) / "actor_config.json" if m.init_checkpoint else None,
+    ):
+        if path is not None and path.is_file():
+            try:
+                return int(json.loads(path.read_text())["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"{path}: no integer vocab_size") from None
+    return int(m.vocab_size)
+
+
+def run_dir_status(cfg) -> str:
+    done = completed_update(cfg.run_dir)
+    if done is None:
+        return "new" if not Path(cfg.run_dir).exists() else "no checkpoint: starts at update 0"
+    if done >= cfg.total_updates:
+        return f"already complete: update {done} of {cfg.total_updates}"
+    return f"resumes at update {done} of {cfg.total_updates}"
+
+
+def dry_run(cfg) -> str:
+    """The checks a real run makes before it builds a model (config, loss hyper-parameters,
+    data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
+    algo = get_algorithm(cfg.algorithm)
+    try:
+        loss_hparams(cfg)
+    except ValueError as err:
+        raise UsageError(f"algo: {err}") from None
+    settings = producer_settings(cfg, algo.requires_groups)
+    if cfg.data.tokenizer == "char":
+        settings = dataclasses.replace(settings, vocab_size=_stored_vocab_size(cfg))
+    RolloutProducer(settings, engine=None)  # raises the data / tokenizer / reward errors
+    steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
+    bound = cfg.rollout.max_logprob_diff or default_logprob_diff(
+        cfg.rollout.engine, cfg.model.compute_dtype
+    )
+    return "\n".join(
+        [
+            format_tree(cfg),
+            "resolved:",
+            f"  updates_per_rollout = {steps}",
+            f"  rollout.max_logprob_diff = {bound:g}",
+            f"  run_dir = {str(Path(cfg.run_dir).resolve())!r} ({run_dir_status(cfg)})",
+            "dry run: the config is valid; nothing was written",
+        ]
+    )
+
+
+def _report(cfg, trainer, started: float) -> None:
+    """The end-of-run summary on stderr (process 0 only); writes curves.png."""
+    if trainer is None or jax.process_index() != 0:
+        return
+    print(
+        finish_report(
+            cfg.run_dir,
+            getattr(trainer, "start_update", 0),
+            time.perf_counter() - started,
+            cfg.total_updates,
+        ),
+        file=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    started = time.perf_counter()
+    cfg = trainer = None
     try:
-        cfg = parse_args(argv)
+        command = parse_command(argv)
+        if command.help:
+            print(command.help)
+            return 0
+        cfg = command.cfg
+        if command.dry_run:
+            print(dry_run(cfg))
+            return 0
+        # before anything is built or written: a finished run dir is reported, not re-entered
+        done = completed_update(cfg.run_dir)
+        if done is not None and done >= cfg.total_updates:
+            print(
+                f"run already complete: update {done} of {cfg.total_updates} "
+                "(raise --config.total_updates to continue)",
+                file=sys.stderr,
+            )
+            return 0
         trainer = Trainer(cfg)
         code = trainer.run()
     except (
@@ -320,9 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except LogprobMismatchError as err:
         print(f"error: {err}", file=sys.stderr)
+        _report(cfg, trainer, started)
         return 3
-    summary = Path(cfg.run_dir) / "metrics.jsonl"
-    print(f"done: {cfg.total_updates} updates; metrics in {summary}", file=sys.stderr)
+    _report(cfg, trainer, started)
     print(json.dumps({"run_dir": str(cfg.run_dir)}))
     return code
 

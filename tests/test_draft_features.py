@@ -12,8 +12,10 @@ from jaxloop.draft_features import DraftFeatureWriter
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.hf_io import read_safetensors
 from jaxloop.rl.algorithms import get_algorithm
-from jaxloop.rl.learner import Learner, LearnerConfig, build_rollout_arrays
+from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.state import build_train_state
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 from tests.train.helpers import run_train
@@ -60,16 +62,18 @@ def test_features_equal_lm_head_input(tmp_path):
         for k in range(6)
     ]
     samples = engine.generate(reqs, SamplingConfig(max_new_tokens=3))
-    arrays = build_rollout_arrays(samples, [0.0] * 6)
+    arrays = RolloutBatch.from_samples(samples, [0.0] * 6)
+    tx = optax.sgd(0.1)
     learner = Learner(
-        model,
+        nnx.graphdef(model),
         None,
         get_algorithm("grpo"),
         LossHParams(),
-        LearnerConfig(4, 1.0, 1, 1, 1.0, 0.95, False, True),
-        optax.sgd(0.1),
+        LearnerConfig(4, 1.0, 1, 1),
+        tx,
     )
-    lp, hidden = learner.recompute_logprobs(arrays, with_hidden=True)
+    state = build_train_state(nnx.state(model).to_pure_dict(), tx)
+    lp, hidden = learner.old_logprobs(state, learner.place_batch(arrays.arrays()), True)
     writer = DraftFeatureWriter(tmp_path, 100, 10**6, "c" * 64, "t" * 64)
     assert writer.write(3, 4, samples, arrays, hidden) == 18
     tensors = dict(read_safetensors(tmp_path / "draft_features" / "update_000003.safetensors"))

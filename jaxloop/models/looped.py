@@ -15,8 +15,14 @@ from flax import nnx
 from jaxloop.models import layers as L
 from jaxloop.models.config import LoopedConfig
 from jaxloop.models.kv_cache import KVCache
+from jaxloop.sharding import constrain
 
 ROLES = ("actor", "critic")
+# logical axes of activations (jaxloop.sharding maps them onto the mesh, when there is one)
+HIDDEN_AXES = ("batch", "length", "act_embed")
+Q_AXES = ("batch", "length", "q_heads", "head_dim")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+LOGITS_AXES = ("batch", "length", "vocab")
 
 
 def _param(value: jax.Array, axes: tuple) -> nnx.Param:
@@ -36,8 +42,9 @@ class Blocks(nnx.Module):
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt = jnp.dtype(cfg.param_dtype)
         keys = jax.random.split(key, 7)
-        ones = jnp.ones((n, e), dt)
-        self.input_norm = _param(ones, ("layers", "norm"))
+        # a fresh array per norm: parameters never share a buffer (the train state is donated)
+        ones = lambda: jnp.ones((n, e), dt)  # noqa: E731
+        self.input_norm = _param(ones(), ("layers", "norm"))
         self.q_proj = _param(
             _normal(keys[0], (n, e, h, d), dt), ("layers", "embed", "q_heads", "head_dim")
         )
@@ -50,13 +57,13 @@ class Blocks(nnx.Module):
         self.o_proj = _param(
             _normal(keys[3], (n, h, d, e), dt), ("layers", "q_heads", "head_dim", "embed")
         )
-        self.post_attn_norm = _param(ones, ("layers", "norm"))
+        self.post_attn_norm = _param(ones(), ("layers", "norm"))
         self.gate_proj = _param(_normal(keys[4], (n, e, m), dt), ("layers", "embed", "mlp"))
         self.up_proj = _param(_normal(keys[5], (n, e, m), dt), ("layers", "embed", "mlp"))
         self.down_proj = _param(_normal(keys[6], (n, m, e), dt), ("layers", "mlp", "embed"))
         if cfg.sandwich_norm:
-            self.attn_out_norm = _param(ones, ("layers", "norm"))
-            self.mlp_out_norm = _param(ones, ("layers", "norm"))
+            self.attn_out_norm = _param(ones(), ("layers", "norm"))
+            self.mlp_out_norm = _param(ones(), ("layers", "norm"))
 
 
 class ModelOutput(NamedTuple):
@@ -180,8 +187,9 @@ def looped_forward(
         q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
         k = jnp.einsum("bse,ehd->bshd", x, w["k_proj"])
         v = jnp.einsum("bse,ehd->bshd", x, w["v_proj"])
-        q = L.apply_rope(q, cos, sin)
-        k = L.apply_rope(k, cos, sin)
+        q = constrain(L.apply_rope(q, cos, sin), Q_AXES)
+        k = constrain(L.apply_rope(k, cos, sin), KV_AXES)
+        v = constrain(v, KV_AXES)
         if kv_slot is not None:
             k_cache, v_cache = kv_slot
             k = jax.lax.dynamic_update_slice(
@@ -206,7 +214,7 @@ def looped_forward(
         m = L.swiglu(x, w["gate_proj"], w["up_proj"], w["down_proj"])
         if cfg.sandwich_norm:
             m = L.rms_norm(m, w["mlp_out_norm"], eps)
-        return h + m, new_slot
+        return constrain(h + m, HIDDEN_AXES), new_slot
 
     layer = _remat(layer, cfg.remat)
 
@@ -229,7 +237,7 @@ def looped_forward(
         ys = (new_loop_cache, h if return_loops else None)
         return (h, loop_index + 1), ys
 
-    h0 = model.embed[...].astype(cdt)[input_ids]
+    h0 = constrain(model.embed[...].astype(cdt)[input_ids], HIDDEN_AXES)
     loop_xs = None if cache is None else (cache.k, cache.v)
     (h, _), (new_kv, loop_hidden) = jax.lax.scan(
         run_loop, (h0, jnp.int32(0)), loop_xs, length=cfg.num_loops
@@ -243,7 +251,7 @@ def looped_forward(
     logits = values = loop_logits = exit_probs = None
     if model.role == "actor":
         lm_head = model.lm_head[...].astype(cdt)
-        logits = _project(hidden, lm_head)
+        logits = constrain(_project(hidden, lm_head), LOGITS_AXES)
         if return_loops:
             lh = loop_hidden if logits_slice is None else loop_hidden[:, :, logits_slice]
             loop_logits = jax.vmap(lambda x: _project(x, lm_head))(lh)

@@ -4,19 +4,28 @@ Shapes: ``B`` samples, ``T`` response tokens; ``mask`` is float ``[B, T]`` with 
 tokens. Every estimator returns arrays that are zero where ``mask`` is zero.
 
 Registry: ``ADVANTAGE_ESTIMATORS[name]`` (``'gae'``, ``'grpo'``); add more with
-``@register_advantage(name)``.
+``@register_advantage(name)``. Every registered estimator has ONE signature,
+``fn(inputs: AdvantageInputs, hp: AdvantageHParams) -> (advantages [B,T], returns [B,T] | None)``,
+so the learner calls the algorithm's entry without knowing which one it is. ``gae`` and ``grpo``
+below are the plain array functions the entries are built from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AdvantageHParams",
+    "AdvantageInputs",
+    "gae_estimator",
+    "grpo_estimator",
     "check_group_sizes",
     "gae",
     "grpo",
@@ -110,7 +119,6 @@ def token_level_rewards(
 # --------------------------------------------------------------------------- estimators
 
 
-@register_advantage("gae")
 def gae(
     token_rewards: jax.Array,
     values: jax.Array,
@@ -148,7 +156,6 @@ def gae(
     return advantages, returns
 
 
-@register_advantage("grpo")
 def grpo(
     scores: jax.Array,
     group_ids: jax.Array,
@@ -180,6 +187,55 @@ def grpo(
     else:
         adv = centered
     return adv[:, None] * mask
+
+
+# --------------------------------------------------------------------------- registered estimators
+
+
+@struct.dataclass
+class AdvantageInputs:
+    """What an estimator may use (a pytree; ``[B]`` or ``[B, T]`` arrays). ``values``: the
+    critic's values (None without a critic); ``token_kl``: per-token log pi_old - log pi_ref
+    (None without a reference policy)."""
+
+    scores: jax.Array
+    mask: jax.Array
+    group_ids: jax.Array
+    values: jax.Array | None = None
+    token_kl: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageHParams:
+    """gamma / lam: GAE; kl_coef: weight of the per-token KL reward (GAE); whiten: normalise GAE
+    advantages over the batch; grpo_use_std: divide by the group std (False: Dr.GRPO)."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.0
+    whiten: bool = True
+    grpo_use_std: bool = True
+
+
+@register_advantage("gae")
+def gae_estimator(inputs: AdvantageInputs, hp: AdvantageHParams):
+    """Token rewards (score on the last token, minus kl_coef * KL to the reference on every token,
+    the reference PyTorch stack's form), GAE over the critic's values, optional whitening."""
+    if inputs.values is None:
+        raise ValueError("the 'gae' estimator needs critic values")
+    kl_coef = hp.kl_coef if inputs.token_kl is not None else 0.0
+    rewards = token_level_rewards(inputs.scores, inputs.mask, inputs.token_kl, kl_coef)
+    advantages, returns = gae(rewards, inputs.values, inputs.mask, hp.gamma, hp.lam)
+    if hp.whiten:
+        advantages = masked_whiten(advantages, inputs.mask)
+    return advantages, returns
+
+
+@register_advantage("grpo")
+def grpo_estimator(inputs: AdvantageInputs, hp: AdvantageHParams):
+    """Group-relative advantages; no returns (no critic). A KL to the reference enters GRPO's loss,
+    not its rewards."""
+    return grpo(inputs.scores, inputs.group_ids, inputs.mask, use_std=hp.grpo_use_std), None
 
 
 def check_group_sizes(group_ids) -> None:

@@ -1,26 +1,34 @@
-"""Jitted actor and critic steps: old log-prob recompute, advantages, micro-batched updates.
+"""The learner: pure jitted functions of (TrainState, batch).
+
+    old_logprobs(state, batch)        -> [N, T] selected-token log-probs of the actor
+    update(state, batch)              -> (state, metrics): reference log-probs, values, advantages
+                                         (the algorithm's registered estimator), the policy steps
+                                         and the critic steps of one rollout
 
 The learner knows the algorithm only through its registry entry (`rl.algorithms.Algorithm`):
-which policy loss and advantage estimator, whether there is a critic, whether the loss needs
-the frozen old policy's full-vocabulary logits. Parameters are pure dicts (nnx state), merged
-into the one NNX decoder inside each jitted function.
+which policy loss and advantage estimator, whether the loss needs the frozen old policy's
+full-vocabulary logits. Whether there is a critic or a reference is a property of the state.
+With a mesh, both functions are jitted with explicit in/out shardings under `jax.set_mesh` (so
+the model's activation constraints apply) and `update` donates the state it replaces: no second
+copy of parameters and optimizer state exists during a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
-from jaxloop.models.looped import LoopedLM
+from jaxloop import sharding as shd
 from jaxloop.rl import advantages as adv_lib
 from jaxloop.rl.algorithms import Algorithm
+from jaxloop.rl.batch import round_up
 from jaxloop.rl.losses import (
     POLICY_LOSSES,
     LossHParams,
@@ -31,51 +39,7 @@ from jaxloop.rl.losses import (
     reduce_loss,
     value_loss,
 )
-from jaxloop.rollout.types import Sample
-
-
-@dataclasses.dataclass
-class RolloutArrays:
-    """Host arrays for one rollout. T = S - 1 target positions (token j+1 predicted at j)."""
-
-    tokens: np.ndarray  # [N, S] int32, prompt + response, right-padded
-    attention_mask: np.ndarray  # [N, S] bool
-    response_mask: np.ndarray  # [N, T] float32: targets that are response tokens
-    behav_logprobs: np.ndarray  # [N, T] engine log-probs at response targets
-    scores: np.ndarray  # [N] float32 sequence rewards
-    group_ids: np.ndarray  # [N] int32
-
-    @property
-    def num_samples(self) -> int:
-        return self.tokens.shape[0]
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def build_rollout_arrays(samples: list[Sample], scores, seq_multiple: int = 16) -> RolloutArrays:
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    seq = _round_up(max(lengths) + 1, seq_multiple)
-    n = len(samples)
-    tokens = np.zeros((n, seq), np.int32)
-    attn = np.zeros((n, seq), np.bool_)
-    resp = np.zeros((n, seq - 1), np.float32)
-    behav = np.zeros((n, seq - 1), np.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, : p + r] = s.prompt_ids + s.response_ids
-        attn[i, : p + r] = True
-        resp[i, p - 1 : p - 1 + r] = 1.0
-        behav[i, p - 1 : p - 1 + r] = s.response_logprobs
-    return RolloutArrays(
-        tokens=tokens,
-        attention_mask=attn,
-        response_mask=resp,
-        behav_logprobs=behav,
-        scores=np.asarray(scores, np.float32),
-        group_ids=np.asarray([s.group_id for s in samples], np.int32),
-    )
+from jaxloop.rl.state import TrainState
 
 
 def make_optimizer(
@@ -134,18 +98,36 @@ def token_values(graphdef, params, tokens, attention_mask):
     return model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1]).values
 
 
+def _micro_axes(x: jax.Array, micro_axis: int) -> tuple:
+    axes = [None] * x.ndim
+    axes[micro_axis] = "batch"
+    return tuple(axes)
+
+
 def _split_micro(batch: dict, micro: int) -> dict:
-    """[N, ...] -> [K, micro, ...], padding N with zero rows (mask 0: no loss, no metrics)."""
+    """[N, ...] -> [K, micro, ...], padding N with zero rows (mask 0: no loss, no metrics); the
+    micro axis is the sharded one."""
     n = next(iter(batch.values())).shape[0]
-    total = _round_up(n, micro)
+    total = round_up(n, micro)
 
     def pad(x):
-        x = jnp.asarray(x)
         if total != n:
             x = jnp.concatenate([x, jnp.zeros((total - n,) + x.shape[1:], x.dtype)], axis=0)
-        return x.reshape((total // micro, micro) + x.shape[1:])
+        x = x.reshape((total // micro, micro) + x.shape[1:])
+        return shd.constrain(x, _micro_axes(x, 1))
 
     return {k: pad(v) for k, v in batch.items()}
+
+
+def _step_plan(n: int, steps: int, micro: int) -> np.ndarray:
+    """Row indices [steps, P] of each optimizer step's part of the batch (np.array_split order),
+    each part padded to a multiple of `micro` with index n (an all-zero row)."""
+    parts = np.array_split(np.arange(n), steps)
+    width = round_up(max(len(p) for p in parts), micro)
+    plan = np.full((steps, width), n, np.int32)
+    for i, p in enumerate(parts):
+        plan[i, : len(p)] = p
+    return plan
 
 
 def _accumulate(micro_loss, params, batch):
@@ -172,100 +154,110 @@ def _accumulate(micro_loss, params, batch):
     return jax.lax.scan(step, init, batch)[0]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     micro_batch_size: int
     temperature: float
     updates_per_rollout: int
     critic_steps: int
-    gamma: float
-    lam: float
-    whiten_advantages: bool
-    grpo_use_std: bool
+    advantage: adv_lib.AdvantageHParams = adv_lib.AdvantageHParams()
 
 
 class Learner:
+    """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the two
+    jitted functions. It holds no parameters: those live in the TrainState."""
+
     def __init__(
         self,
-        actor: LoopedLM,
-        critic: LoopedLM | None,
+        actor_graphdef,
+        critic_graphdef,
         algorithm: Algorithm,
         hparams: LossHParams,
         config: LearnerConfig,
         actor_tx: optax.GradientTransformation,
         critic_tx: optax.GradientTransformation | None = None,
-        reference: LoopedLM | None = None,
+        *,
+        mesh: Mesh | None = None,
+        state_shardings: TrainState | None = None,
     ):
         self.algorithm = algorithm
         self.hp = hparams
         self.cfg = config
-        self.actor_graphdef, state = nnx.split(actor)
-        self.actor_params = state.to_pure_dict()
+        self.actor_graphdef = actor_graphdef
+        self.critic_graphdef = critic_graphdef
         self.actor_tx = actor_tx
-        self.actor_opt_state = actor_tx.init(self.actor_params)
-        self.ref_params = None
-        if reference is not None:
-            self.ref_params = nnx.split(reference)[1].to_pure_dict()
-        self.critic_graphdef = self.critic_params = self.critic_tx = self.critic_opt_state = None
-        if critic is not None:
-            self.critic_graphdef, cstate = nnx.split(critic)
-            self.critic_params = cstate.to_pure_dict()
-            self.critic_tx = critic_tx
-            self.critic_opt_state = critic_tx.init(self.critic_params)
-        self._logprobs = jax.jit(self._logprobs_impl, static_argnames="with_hidden")
-        self._values = jax.jit(self._values_impl)
-        self._policy_step = jax.jit(self._policy_step_impl)
-        self._critic_step = jax.jit(self._critic_step_impl)
-
-    # ---- views ----
-    def actor_model(self) -> LoopedLM:
-        return nnx.merge(self.actor_graphdef, self.actor_params)
-
-    def actor_state(self) -> nnx.State:
-        return nnx.split(self.actor_model())[1]
-
-    def critic_model(self) -> LoopedLM | None:
-        if self.critic_params is None:
-            return None
-        return nnx.merge(self.critic_graphdef, self.critic_params)
-
-    # ---- batched recomputes (micro-batched, jitted) ----
-    def _logprobs_impl(self, params, mb, with_hidden: bool):
-        def one(_, x):
-            lp, _, hidden = forward_logprobs(
-                self.actor_graphdef, params, x["tokens"], x["attention_mask"], self.cfg.temperature
+        self.critic_tx = critic_tx
+        self.mesh = mesh
+        self.state_shardings = state_shardings
+        if mesh is None:
+            self._old_logprobs = jax.jit(self._old_logprobs_impl, static_argnums=2)
+            self._update = jax.jit(self._update_impl, donate_argnums=0)
+        else:
+            rows = shd.batch_sharding(mesh, ndim=1)
+            self.batch_sharding = rows
+            rep = shd.replicated(mesh)
+            self._old_logprobs = jax.jit(
+                self._old_logprobs_impl,
+                static_argnums=2,
+                in_shardings=(state_shardings, rows),
+                out_shardings=rows,
             )
-            return None, (lp, hidden) if with_hidden else lp
-
-        return jax.lax.scan(one, None, mb)[1]
-
-    def _values_impl(self, params, mb):
-        def one(_, x):
-            return None, token_values(
-                self.critic_graphdef, params, x["tokens"], x["attention_mask"]
+            self._update = jax.jit(
+                self._update_impl,
+                in_shardings=(state_shardings, rows),
+                out_shardings=(state_shardings, rep),
+                donate_argnums=0,
             )
 
-        return jax.lax.scan(one, None, mb)[1]
+    def _mesh_context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _per_sample(self, fn, params, arrays: RolloutArrays) -> jax.Array:
-        n = arrays.num_samples
+    def place_batch(self, arrays: dict) -> dict:
+        """Host arrays -> device arrays, sample axis over the data-parallel mesh axes."""
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in arrays.items()}
+        return {k: shd.put_global(v, self.batch_sharding) for k, v in arrays.items()}
+
+    # ---- the public pure functions ----
+    def old_logprobs(self, state: TrainState, batch: dict, with_hidden: bool = False):
+        """[N, T] log-probs of the actor (with_hidden: and the [N, T, E] LM-head inputs)."""
+        with self._mesh_context():
+            return self._old_logprobs(state, batch, with_hidden)
+
+    def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One rollout's optimizer steps. `batch` holds the RolloutBatch fields plus
+        'old_logprobs'. The input state is donated: use only the returned one."""
+        with self._mesh_context():
+            return self._update(state, batch)
+
+    # ---- implementations ----
+    def _per_sample(self, fn, params, batch: dict):
+        """fn(params, tokens, attention_mask) over micro-batches; results back as [N, ...]."""
+        n = batch["tokens"].shape[0]
         mb = _split_micro(
-            {"tokens": arrays.tokens, "attention_mask": arrays.attention_mask},
+            {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]},
             self.cfg.micro_batch_size,
         )
-        out = fn(params, mb)
+        out = jax.lax.scan(
+            lambda _, x: (None, fn(params, x["tokens"], x["attention_mask"])), None, mb
+        )[1]
         return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:n], out)
 
-    def recompute_logprobs(self, arrays: RolloutArrays, params=None, with_hidden=False):
-        """[N, T] log-probs (and, with_hidden, the [N, T, E] LM-head inputs of the last loop)."""
-        fn = functools.partial(self._logprobs, with_hidden=with_hidden)
-        return self._per_sample(fn, params or self.actor_params, arrays)
+    def _actor_logprobs(self, params, tokens, attention_mask):
+        return token_logprobs(
+            self.actor_graphdef, params, tokens, attention_mask, self.cfg.temperature
+        )[0]
 
-    def compute_values(self, arrays: RolloutArrays) -> jax.Array:
-        return self._per_sample(self._values, self.critic_params, arrays)
+    def _old_logprobs_impl(self, state: TrainState, batch: dict, with_hidden: bool):
+        def fn(params, tokens, attention_mask):
+            lp, _, hidden = forward_logprobs(
+                self.actor_graphdef, params, tokens, attention_mask, self.cfg.temperature
+            )
+            return (lp, hidden) if with_hidden else lp
 
-    # ---- jitted optimizer steps ----
-    def _policy_step_impl(self, params, opt_state, old_params, batch, num_samples, num_tokens):
+        return self._per_sample(fn, state.actor_params, batch)
+
+    def _policy_micro_loss(self, old_params, num_samples, num_tokens):
         algo, hp = self.algorithm, self.hp
         loss_fn = POLICY_LOSSES[algo.policy_loss]
 
@@ -298,16 +290,9 @@ class Learner:
             loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums(metrics, x["mask"])
 
-        grads, loss, sums = _accumulate(micro_loss, params, batch)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.actor_tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
-        metrics["policy_loss"] = loss
-        metrics["grad_norm"] = grad_norm
-        return params, opt_state, metrics
+        return micro_loss
 
-    def _critic_step_impl(self, params, opt_state, batch, num_samples, num_tokens):
+    def _critic_micro_loss(self, num_samples, num_tokens):
         def micro_loss(p, x):
             values = token_values(self.critic_graphdef, p, x["tokens"], x["attention_mask"])
             per_token, metrics = value_loss(
@@ -316,114 +301,131 @@ class Learner:
             loss = reduce_loss(per_token, x["mask"], self.hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums({"vf_clip_frac": metrics["vf_clip_frac"]}, x["mask"])
 
-        grads, loss, sums = _accumulate(micro_loss, params, batch)
-        updates, opt_state = self.critic_tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        s, c = sums["vf_clip_frac"]
-        return (
-            params,
-            opt_state,
-            {
-                "value_loss": loss,
-                "vf_clip_frac": s / jnp.maximum(c, 1.0),
-                "critic_grad_norm": optax.tree.norm(grads),
-            },
-        )
+        return micro_loss
 
-    # ---- one rollout -> update ----
-    def update(self, arrays: RolloutArrays, old_logprobs: jax.Array | None = None) -> dict:
-        """Advantages + all optimizer steps for one rollout. Returns float metrics."""
-        timings = {}
-        t0 = time.perf_counter()
+    def _update_impl(self, state: TrainState, batch: dict):
         algo, cfg = self.algorithm, self.cfg
-        mask = jnp.asarray(arrays.response_mask)
-        if old_logprobs is None:
-            old_logprobs = self.recompute_logprobs(arrays)
-        old_logprobs = jax.block_until_ready(old_logprobs)
-        ref_lp = None
-        if self.ref_params is not None:
-            ref_lp = self.recompute_logprobs(arrays, self.ref_params)
-        timings["time_old_logprobs"] = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        scores = jnp.asarray(arrays.scores)
-        metrics: dict[str, float] = {}
-        old_values = returns = None
-        if algo.advantage == "gae":
-            old_values = self.compute_values(arrays)
-            kl = None
-            if ref_lp is not None and self.hp.kl_coef > 0:
-                kl = old_logprobs - ref_lp
-            rewards = adv_lib.token_level_rewards(scores, mask, kl, self.hp.kl_coef)
-            advantages, returns = adv_lib.ADVANTAGE_ESTIMATORS["gae"](
-                rewards, old_values, mask, cfg.gamma, cfg.lam
+        mask = batch["response_mask"]
+        old_lp = batch["old_logprobs"]
+        has_critic = state.critic_params is not None
+        ref_lp = values = token_kl = None
+        if state.ref_params is not None:
+            ref_lp = self._per_sample(self._actor_logprobs, state.ref_params, batch)
+            token_kl = old_lp - ref_lp
+        if has_critic:
+            values = self._per_sample(
+                lambda p, t, a: token_values(self.critic_graphdef, p, t, a),
+                state.critic_params,
+                batch,
             )
-            metrics["explained_variance"] = float(_explained_variance(old_values, returns, mask))
-        else:
-            adv_lib.check_group_sizes(arrays.group_ids)
-            advantages = adv_lib.ADVANTAGE_ESTIMATORS[algo.advantage](
-                scores, jnp.asarray(arrays.group_ids), mask, use_std=cfg.grpo_use_std
-            )
-        if cfg.whiten_advantages and algo.advantage == "gae":
-            advantages = adv_lib.masked_whiten(advantages, mask)
+        estimator = adv_lib.ADVANTAGE_ESTIMATORS[algo.advantage]
+        advantages, returns = estimator(
+            adv_lib.AdvantageInputs(
+                scores=batch["scores"],
+                mask=mask,
+                group_ids=batch["group_ids"],
+                values=values,
+                token_kl=token_kl,
+            ),
+            cfg.advantage,
+        )
+        metrics = {"advantage_mean": adv_lib.masked_mean(advantages, mask)}
 
-        batch = {
-            "tokens": jnp.asarray(arrays.tokens),
-            "attention_mask": jnp.asarray(arrays.attention_mask),
+        # ---- policy: `updates_per_rollout` optimizer steps, each on its part of the batch ----
+        fields = {
+            "tokens": batch["tokens"],
+            "attention_mask": batch["attention_mask"],
             "mask": mask,
-            "old_logprobs": old_logprobs,
-            "behav_logprobs": jnp.asarray(arrays.behav_logprobs),
+            "old_logprobs": old_lp,
+            "behav_logprobs": batch["behav_logprobs"],
             "advantages": advantages,
+            "sample": batch["sample_mask"],
         }
         if ref_lp is not None:
-            batch["ref_logprobs"] = ref_lp
-        # pi_old: the parameters before this rollout's first optimizer step (arrays are
-        # immutable, so holding the reference freezes them)
-        old_params = self.actor_params if algo.needs_old_policy_logits else None
-        steps = cfg.updates_per_rollout
-        per_step = []
-        for part in np.array_split(np.arange(arrays.num_samples), steps):
-            sub = {k: v[part] for k, v in batch.items()}
-            n_tok = jnp.sum(sub["mask"])
-            mb = _split_micro(sub, cfg.micro_batch_size)
-            self.actor_params, self.actor_opt_state, m = self._policy_step(
-                self.actor_params,
-                self.actor_opt_state,
-                old_params,
-                mb,
-                jnp.float32(len(part)),
-                n_tok,
+            fields["ref_logprobs"] = ref_lp
+        n = batch["tokens"].shape[0]
+        plan = _step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size)
+        k = plan.shape[1] // cfg.micro_batch_size
+
+        def gather(x):  # [N, ...] -> [steps, K, micro, ...]; index n is an all-zero row
+            x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)[plan]
+            x = x.reshape((plan.shape[0], k, cfg.micro_batch_size) + x.shape[2:])
+            return shd.constrain(x, _micro_axes(x, 2))
+
+        parts = {name: gather(x) for name, x in fields.items()}
+        # pi_old (Flow-DPPO): the actor parameters this update received, frozen for its steps
+        old_params = state.actor_params if algo.needs_old_policy_logits else None
+
+        def policy_step(carry, part):
+            params, opt_state = carry
+            part = dict(part)
+            num_samples = jnp.sum(part.pop("sample"))
+            micro_loss = self._policy_micro_loss(old_params, num_samples, jnp.sum(part["mask"]))
+            grads, loss, sums = _accumulate(micro_loss, params, part)
+            updates, opt_state = self.actor_tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            step_metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
+            step_metrics["policy_loss"] = loss
+            step_metrics["grad_norm"] = optax.tree.norm(grads)
+            return (params, opt_state), step_metrics
+
+        (actor_params, actor_opt), per_step = jax.lax.scan(
+            policy_step, (state.actor_params, state.actor_opt), parts
+        )
+        metrics.update({name: jnp.mean(v) for name, v in per_step.items()})
+
+        critic_params, critic_opt = state.critic_params, state.critic_opt
+        if has_critic:
+            cbatch = _split_micro(
+                {
+                    "tokens": batch["tokens"],
+                    "attention_mask": batch["attention_mask"],
+                    "mask": mask,
+                    "old_values": values,
+                    "returns": returns,
+                },
+                cfg.micro_batch_size,
             )
-            per_step.append(m)
-        for k in per_step[0]:
-            metrics[k] = float(np.mean([float(m[k]) for m in per_step]))
+            micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
 
-        if self.critic_params is not None:
-            cbatch = {
-                "tokens": batch["tokens"],
-                "attention_mask": batch["attention_mask"],
-                "mask": mask,
-                "old_values": old_values,
-                "returns": returns,
-            }
-            mb = _split_micro(cbatch, cfg.micro_batch_size)
-            for _ in range(cfg.critic_steps):
-                self.critic_params, self.critic_opt_state, cm = self._critic_step(
-                    self.critic_params,
-                    self.critic_opt_state,
-                    mb,
-                    jnp.float32(arrays.num_samples),
-                    jnp.sum(mask),
-                )
-            metrics.update({k: float(v) for k, v in cm.items()})
-        metrics["advantage_mean"] = float(adv_lib.masked_mean(advantages, mask))
-        timings["time_update"] = time.perf_counter() - t1
-        metrics.update(timings)
-        return metrics
+            def critic_step(carry, _):
+                params, opt_state = carry
+                grads, loss, sums = _accumulate(micro_loss, params, cbatch)
+                updates, opt_state = self.critic_tx.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                s, c = sums["vf_clip_frac"]
+                step_metrics = {
+                    "value_loss": loss,
+                    "vf_clip_frac": s / jnp.maximum(c, 1.0),
+                    "critic_grad_norm": optax.tree.norm(grads),
+                }
+                return (params, opt_state), step_metrics
+
+            (critic_params, critic_opt), per_critic = jax.lax.scan(
+                critic_step, (critic_params, critic_opt), None, length=cfg.critic_steps
+            )
+            metrics.update({name: v[-1] for name, v in per_critic.items()})
+            metrics["explained_variance"] = _explained_variance(values, returns, mask)
+
+        new_state = state.replace(
+            actor_params=actor_params,
+            actor_opt=actor_opt,
+            critic_params=critic_params,
+            critic_opt=critic_opt,
+            step=state.step + 1,
+            policy_version=state.policy_version + 1,
+            rng=jax.random.key_data(
+                jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+            ),
+        )
+        return new_state, metrics
 
 
-@functools.partial(jax.jit)
 def _explained_variance(values, returns, mask):
     var_r = adv_lib.masked_var(returns, mask)
     var_diff = adv_lib.masked_var(returns - values, mask)
     return 1.0 - var_diff / jnp.maximum(var_r, 1e-8)
+
+
+def metrics_to_host(metrics: dict) -> dict[str, float]:
+    return {k: float(shd.to_host(v)) for k, v in metrics.items()}

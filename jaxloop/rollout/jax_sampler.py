@@ -7,8 +7,10 @@ not every update. Each row samples from its own seed (key = fold_in(key(seed), s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Iterable
 
@@ -16,13 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxloop import sharding as shd
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
 from jaxloop.models.looped import LoopedLM
 from jaxloop.rollout.engine import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
+
+# [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads
+CACHE_AXES = ("loops", "layers", "batch", "length", "kv_heads", "head_dim")
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -69,6 +76,9 @@ def _generate(
     model = nnx.merge(graphdef, state)
     batch = prompt_ids.shape[0]
     cache = init_cache(model.config, batch, cache_len)
+    cache = cache.replace(
+        k=shd.constrain(cache.k, CACHE_AXES), v=shd.constrain(cache.v, CACHE_AXES)
+    )
     out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
     last_logits = out.logits[:, -1]
     keys = jax.vmap(jax.random.key)(seeds)
@@ -107,17 +117,22 @@ def _generate(
 
 @dataclasses.dataclass
 class JaxSamplerEngine:
-    """Embedded engine: generates with the same NNX decoder the trainer uses."""
+    """Embedded engine: generates with the same NNX decoder the trainer uses, on the trainer's
+    mesh when given one (batch rows over the data-parallel axes; the published state keeps the
+    trainer's shardings, so publication is zero-copy)."""
 
     model: LoopedLM
     min_prompt_bucket: int = 8
     batch_multiple: int = 8
+    mesh: Mesh | None = None
     _version: int | None = None
     _state: nnx.State | None = None
     last_publish: PublishStats | None = None
 
     def __post_init__(self):
         self._graphdef, _ = nnx.split(self.model)
+        if self.mesh is not None:
+            self.batch_multiple = math.lcm(self.batch_multiple, shd.data_parallel_size(self.mesh))
 
     @property
     def version(self) -> int | None:
@@ -194,18 +209,25 @@ class JaxSamplerEngine:
             int(sampling.top_k),
             bool(sampling.greedy),
         )
-        tokens, logprobs = _generate(
-            self._graphdef,
-            self._state,
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jnp.asarray(seeds),
-            jnp.asarray(stop),
-            max_new_tokens=sampling.max_new_tokens,
-            sampling_key=key,
-            cache_len=prompt_len + sampling.max_new_tokens,
-        )
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        if self.mesh is None:
+            place, context = jnp.asarray, contextlib.nullcontext()
+        else:
+            rows, rep = shd.batch_sharding(self.mesh, 1), shd.replicated(self.mesh)
+            place = lambda x: shd.put_global(x, rep if x is stop else rows)  # noqa: E731
+            context = jax.set_mesh(self.mesh)
+        with context:
+            tokens, logprobs = _generate(
+                self._graphdef,
+                self._state,
+                place(ids),
+                place(mask),
+                place(seeds),
+                place(stop),
+                max_new_tokens=sampling.max_new_tokens,
+                sampling_key=key,
+                cache_len=prompt_len + sampling.max_new_tokens,
+            )
+        tokens, logprobs = shd.to_host(tokens), shd.to_host(logprobs)
         stop_set = set(sampling.stop_token_ids)
         samples = []
         for i, r in enumerate(requests):

@@ -7,9 +7,13 @@ import pytest
 
 from jaxloop.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageHParams,
+    AdvantageInputs,
     check_group_sizes,
     gae,
+    gae_estimator,
     grpo,
+    grpo_estimator,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -172,8 +176,8 @@ def test_check_group_sizes():
 
 
 def test_registry():
-    assert ADVANTAGE_ESTIMATORS["gae"] is gae
-    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo
+    assert ADVANTAGE_ESTIMATORS["gae"] is gae_estimator
+    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo_estimator
 
     @register_advantage("_test_zero")
     def zero(x):
@@ -185,3 +189,23 @@ def test_registry():
             register_advantage("_test_zero")(lambda x: x)
     finally:
         ADVANTAGE_ESTIMATORS.pop("_test_zero")
+
+
+def test_estimators_share_one_signature():
+    """Both registry entries take (AdvantageInputs, AdvantageHParams) and equal the plain
+    functions they are built from (GAE: KL reward on every token, then whitening)."""
+    rng = np.random.default_rng(1)
+    mask = np.ones((4, 3), np.float32)
+    mask[1, 2] = 0.0
+    scores = rng.normal(size=4).astype(np.float32)
+    values = rng.normal(size=(4, 3)).astype(np.float32)
+    kl = rng.normal(size=(4, 3)).astype(np.float32)
+    inputs = AdvantageInputs(scores, mask, np.array([0, 0, 1, 1]), values, kl)
+    hp = AdvantageHParams(gamma=0.9, lam=0.8, kl_coef=0.1, whiten=True)
+    adv, ret = ADVANTAGE_ESTIMATORS["gae"](inputs, hp)
+    want_adv, want_ret = gae(token_level_rewards(scores, mask, kl, 0.1), values, mask, 0.9, 0.8)
+    np.testing.assert_allclose(ret, want_ret, rtol=1e-6)
+    np.testing.assert_allclose(adv, masked_whiten(want_adv, mask), rtol=1e-5, atol=1e-6)
+    adv, ret = ADVANTAGE_ESTIMATORS["grpo"](inputs, hp)
+    assert ret is None
+    np.testing.assert_allclose(adv, grpo(scores, np.array([0, 0, 1, 1]), mask), rtol=1e-6)

@@ -9,9 +9,12 @@ import pytest
 from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
+from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
-from jaxloop.rl.learner import Learner, LearnerConfig, RolloutArrays
+from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.state import build_train_state
 from jaxloop.train import build_critic
 
 CFG = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_hidden_layers=1))
@@ -26,48 +29,82 @@ def _arrays(n=8, seq=12, prompt=4):
     resp = np.zeros((n, seq - 1), np.float32)
     for i, length in enumerate(lengths):
         resp[i, prompt - 1 : length - 1] = 1.0
-    return RolloutArrays(
+    return RolloutBatch(
         tokens=tokens,
         attention_mask=attn,
         response_mask=resp,
         behav_logprobs=np.zeros((n, seq - 1), np.float32),
         scores=rng.normal(size=n).astype(np.float32),
         group_ids=np.repeat(np.arange(n // 2), 2).astype(np.int32),
+        sample_mask=np.ones((n,), np.float32),
     )
 
 
-def _learner(name, micro, kl_coef=0.0, flow_delta=0.01):
-    algo = get_algorithm(name)
-    actor = LoopedLM(CFG, rngs=nnx.Rngs(0))
-    critic = build_critic(actor, 1) if algo.uses_critic else None
-    ref = LoopedLM(CFG, rngs=nnx.Rngs(5)) if kl_coef > 0 else None
-    lcfg = LearnerConfig(micro, 0.8, algo.default_updates_per_rollout, 1, 1.0, 0.95, True, True)
-    hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta)
-    return Learner(actor, critic, algo, hp, lcfg, optax.sgd(0.5), optax.sgd(0.5), ref)
+class _Run:
+    """A learner and its train state on one device."""
+
+    def __init__(self, name, micro, kl_coef=0.0, flow_delta=0.01):
+        algo = get_algorithm(name)
+        actor = LoopedLM(CFG, rngs=nnx.Rngs(0))
+        critic = build_critic(actor, 1) if algo.uses_critic else None
+        lcfg = LearnerConfig(
+            micro, 0.8, algo.default_updates_per_rollout, 1, AdvantageHParams(kl_coef=kl_coef)
+        )
+        hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta)
+        tx = optax.sgd(0.5)
+        self.learner = Learner(
+            nnx.graphdef(actor),
+            None if critic is None else nnx.graphdef(critic),
+            algo,
+            hp,
+            lcfg,
+            tx,
+            tx,
+        )
+        self.state = build_train_state(
+            nnx.state(actor).to_pure_dict(),
+            tx,
+            None if critic is None else nnx.state(critic).to_pure_dict(),
+            tx,
+        )
+        if kl_coef > 0:  # a reference that differs from the actor, so the KL term is non-zero
+            ref = nnx.state(LoopedLM(CFG, rngs=nnx.Rngs(5))).to_pure_dict()
+            self.state = self.state.replace(ref_params=ref)
+
+    def old_logprobs(self, arrays):
+        return self.learner.old_logprobs(self.state, self.learner.place_batch(arrays.arrays()))
+
+    def update(self, arrays):
+        batch = self.learner.place_batch(arrays.arrays())
+        batch["old_logprobs"] = self.learner.old_logprobs(self.state, batch)
+        self.state, metrics = self.learner.update(self.state, batch)
+        return {k: float(v) for k, v in metrics.items()}
 
 
 @pytest.mark.parametrize("name, kl", [("ppo", 0.0), ("grpo", 0.1), ("flow_dppo", 0.0)])
 def test_update_independent_of_micro_batch(name, kl):
     arrays = _arrays()
-    small, big = _learner(name, 2, kl), _learner(name, 8, kl)
-    behav = np.asarray(small.recompute_logprobs(arrays))
+    small, big = _Run(name, 2, kl), _Run(name, 8, kl)
+    behav = np.asarray(small.old_logprobs(arrays))
     arrays.behav_logprobs = behav - 0.01 * arrays.response_mask
     m_small, m_big = small.update(arrays), big.update(arrays)
     moved = jax.tree.map(
         lambda a, b: float(jnp.abs(a - b).max()),
-        small.actor_params,
-        _learner(name, 8, kl).actor_params,
+        small.state.actor_params,
+        _Run(name, 8, kl).state.actor_params,
     )
     assert max(jax.tree.leaves(moved)) > 1e-4  # the update did something
     diff = jax.tree.map(
-        lambda a, b: float(jnp.abs(a - b).max()), small.actor_params, big.actor_params
+        lambda a, b: float(jnp.abs(a - b).max()), small.state.actor_params, big.state.actor_params
     )
     assert max(jax.tree.leaves(diff)) <= 1e-6, diff
     for key in ("policy_loss", "grad_norm"):
         assert abs(m_small[key] - m_big[key]) <= 1e-6 * max(1.0, abs(m_big[key])), key
-    if small.critic_params is not None:
+    if small.state.critic_params is not None:
         cdiff = jax.tree.map(
-            lambda a, b: float(jnp.abs(a - b).max()), small.critic_params, big.critic_params
+            lambda a, b: float(jnp.abs(a - b).max()),
+            small.state.critic_params,
+            big.state.critic_params,
         )
         assert max(jax.tree.leaves(cdiff)) <= 1e-6
     if name == "flow_dppo":
@@ -78,17 +115,15 @@ def test_update_independent_of_micro_batch(name, kl):
 
 def test_flow_dppo_zero_delta_blocks_outward_moves():
     arrays = _arrays()
-    learner = _learner("flow_dppo", 4)
-    learner.hp = LossHParams(flow_delta=0.0)
-    learner.__init__(
-        learner.actor_model(),
-        learner.critic_model(),
-        learner.algorithm,
-        LossHParams(flow_delta=0.0),
-        learner.cfg,
-        optax.sgd(0.5),
-        optax.sgd(0.5),
-    )
-    metrics = learner.update(arrays)
+    metrics = _Run("flow_dppo", 4, flow_delta=0.0).update(arrays)
     # delta = 0: after the first step, every outward token with D > 0 is blocked
     assert metrics["blocked_frac"] > 0.0
+
+
+def test_update_advances_counters_and_donates_state():
+    run = _Run("ppo", 8)
+    before = run.state
+    run.update(_arrays())
+    assert run.state.update_count == 1 and run.state.version == 1
+    # the old state's buffers were donated to the update: no second copy survives it
+    assert jax.tree.leaves(before.actor_params)[0].is_deleted()

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import iter_hf_tensors
-from jaxloop.rl.learner import build_rollout_arrays, token_logprobs
+from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rl.learner import token_logprobs
 from jaxloop.rollout.engine import NotPublishedError, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine, _generate, filter_logprobs
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
@@ -40,7 +41,7 @@ def test_logprobs_equal_trainer_recompute(engine):
     sampling = SamplingConfig(temperature=T, max_new_tokens=6, stop_token_ids=(2,))
     samples = engine.generate(_requests(), sampling)
     assert all(s.policy_version == 7 for s in samples)
-    arrays = build_rollout_arrays(samples, [0.0] * len(samples))
+    arrays = RolloutBatch.from_samples(samples, [0.0] * len(samples))
     graphdef, state = nnx.split(engine.model)
     lp, _ = token_logprobs(
         graphdef,

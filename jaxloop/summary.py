@@ -1,0 +1,115 @@
+"""What a training process prints when it ends: a short table of how the run went and where its
+outputs are, after writing <run_dir>/curves.png (jaxloop.plot).
+
+Also `completed_update(run_dir)`: the update count of a run dir's latest finished checkpoint, read
+without opening orbax (nothing is created), so a finished run can be recognised before anything
+is built or written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jaxloop.checkpoint import TRAIN_STATE
+from jaxloop.metrics import METRICS_FILE, TB_DIR, read_metrics
+from jaxloop.models.orbax_io import CHECKPOINT_DIR
+
+LAST_N = 10
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """Steps of the finished checkpoints (orbax renames a step's temporary directory to the bare
+    number only when it is complete)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def completed_update(run_dir: str | Path) -> int | None:
+    """Updates finished by the latest checkpoint (its train state's "update"; the step number
+    when that cannot be read), None without a checkpoint. Reads only."""
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        return None
+    meta = Path(run_dir) / CHECKPOINT_DIR / str(steps[-1]) / TRAIN_STATE / "metadata"
+    try:
+        return int(json.loads(meta.read_text())["update"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return steps[-1]
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    out = []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out.append(float(v))
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tuple[str, str]]:
+    """(label, value) of the summary table. `rows`: every metrics row of the run dir (earlier
+    processes included); "this process" = rows with update >= start_update."""
+    mine = [r for r in rows if r["update"] >= start_update]
+    evals = [(r["update"], v) for r in rows for v in _values([r], "eval_reward")]
+    finals = _values(rows[-1:], "final_eval_reward")
+    final = finals[0] if finals else (evals[-1][1] if evals else None)
+    best = max((v for _, v in evals), default=None)
+    if finals:
+        best = finals[0] if best is None else max(best, finals[0])
+    recent = _values(rows[-LAST_N:], "reward_mean")
+    speed = _values(mine, "tokens_per_s")
+    restarts = _values(mine, "engine_restarts")  # a running count per process
+    skipped = _values(mine, "skipped_updates")  # a running count per process (0 when absent)
+    first = mine[0]["update"] if mine else start_update
+    last = mine[-1]["update"] + 1 if mine else start_update
+    return [
+        ("updates this process", f"{len(mine)} (updates {first} -> {last})"),
+        ("final eval reward", _fmt(final)),
+        ("best eval reward", _fmt(best)),
+        (
+            f"mean reward, last {min(LAST_N, len(rows))} updates",
+            _fmt(sum(recent) / len(recent) if recent else None),
+        ),
+        ("tokens/s (mean per update)", _fmt(sum(speed) / len(speed) if speed else None, ".1f")),
+        ("wall time", f"{wall_s:.1f} s"),
+        ("engine restarts", f"{int(max(restarts, default=0))}"),
+        ("skipped updates", f"{int(max(skipped, default=0))}"),
+    ]
+
+
+def finish_report(run_dir: str | Path, start_update: int, wall_s: float, total: int) -> str:
+    """Write curves.png and return the summary table with the output paths."""
+    from jaxloop.plot import PlotError, plot_run
+
+    run_dir = Path(run_dir)
+    try:
+        rows = read_metrics(run_dir)
+    except FileNotFoundError:
+        rows = []
+    try:
+        curves = str(plot_run(run_dir))
+    except PlotError as err:
+        curves = f"not written ({err})"
+    except Exception as err:  # plotting must never fail a finished run
+        curves = f"not written ({type(err).__name__}: {err})"
+    steps = checkpoint_steps(run_dir)
+    table = summary_rows(rows, start_update, wall_s)
+    table += [
+        ("metrics", str(run_dir / METRICS_FILE)),
+        ("tensorboard", str(run_dir / TB_DIR)),
+        ("curves", curves),
+        ("checkpoint", str(run_dir / CHECKPOINT_DIR / str(steps[-1])) if steps else "none"),
+    ]
+    done = rows[-1]["update"] + 1 if rows else start_update
+    width = max(len(label) for label, _ in table)
+    lines = [f"run summary: update {done} of {total}"]
+    lines += [f"  {label:<{width}}  {value}" for label, value in table]
+    return "\n".join(lines)
