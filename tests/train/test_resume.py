@@ -12,6 +12,10 @@ from tests.train.helpers import TINY, read_rows, run_train, stable
 RESUME = (
     *TINY,
     "--config.micro_batch_size=4",
+    # micro-batches of 4 over data x fsdp = 4 (and tensor = 2): resume is bitwise on a mixed mesh
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
     "--config.rollout.max_new_tokens=3",
     "--config.eval_every=2",
     "--config.checkpoint_every=1",

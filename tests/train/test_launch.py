@@ -1,0 +1,52 @@
+"""2 processes x 4 fake CPU devices (jax.distributed over gloo), started by jaxloop.launch, run
+2 GRPO updates and match the 1-process 8-device run (fp32, <= 1e-5 relative)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.train.helpers import TINY, read_rows, run_train
+from tests.train.test_mesh import BASE, _assert_close, _export
+
+pytestmark = pytest.mark.slow  # two trainer processes joined by JAX's distributed runtime
+
+
+def test_two_processes_match_one(tmp_path, env):
+    one = tmp_path / "one-process"
+    rows = run_train(one, "grpo.py", *BASE, "--config.mesh.fsdp=8", env=env)
+    two = tmp_path / "two-processes"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxloop.launch",
+        "--num-processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        "--config",
+        "grpo.py",
+        f"--config.run_dir={two}",
+        *BASE,
+        "--config.mesh.fsdp=8",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # process 0 alone writes metrics: one row per update, none from process 1
+    two_rows = read_rows(two)
+    assert [r["update"] for r in two_rows] == [0, 1]
+    assert two_rows[0]["tokens_checksum"] == rows[0]["tokens_checksum"]
+    assert "[process 1]" in proc.stderr  # the second process really ran
+    _assert_close(
+        _export(two, tmp_path / "two-hf"), _export(one, tmp_path / "one-hf"), "2 processes"
+    )
+
+
+def test_launch_refuses_bad_arguments():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.launch", "--num-processes", "0", "--", *TINY],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--num-processes must be >= 1" in proc.stderr

@@ -1,0 +1,174 @@
+"""Sharded training on 8 fake CPU devices: every mesh gives the parameters of one device (fp32,
+<= 1e-5 relative, exported with conversion.to_hf) and the same first-update tokens; a checkpoint
+saved on one mesh continues on another; parameters are really sharded; bad meshes are one-line
+errors."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from conversion.to_hf import main as to_hf
+from jaxloop import sharding as shd
+from jaxloop.config import load_config_file
+from jaxloop.models.hf_io import checkpoint_files, read_safetensors
+from jaxloop.train import Training, actor_config
+from jaxloop.train import main as train_main
+from tests.train.helpers import TINY, run_train
+
+MESHES = {
+    "dp2-fsdp2-tp2": ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"),
+    "fsdp8": ("--config.mesh.fsdp=8",),
+    # the tiny model has 2 KV heads: over tensor=4 they are replicated
+    "dp2-tp4": ("--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=4"),
+}
+BASE = (
+    *TINY,
+    "--config.total_updates=2",
+    "--config.checkpoint_every=1",
+    "--config.rollout.max_new_tokens=3",
+    # a reward that varies with every sampled character: advantages (and so updates) are non-zero
+    "--config.data.reward=tests.train.rewards:char_code_reward",
+)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def one_device_env(env):
+    e = dict(env)
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return e
+
+
+def _export(run_dir, out, role="actor", step=None) -> dict[str, np.ndarray]:
+    args = ["--checkpoint", str(run_dir), "--out", str(out), "--dtype", "float32", "--role", role]
+    if step is not None:
+        args += ["--step", str(step)]
+    assert to_hf(args) == 0
+    tensors = {}
+    for file in checkpoint_files(out):
+        tensors.update({name: np.array(arr) for name, arr in read_safetensors(file)})
+    return tensors
+
+
+def _assert_close(got: dict, want: dict, what: str) -> float:
+    assert got.keys() == want.keys()
+    worst = 0.0
+    for name in want:
+        rel = np.abs(got[name] - want[name]).max() / max(np.abs(want[name]).max(), 1e-30)
+        worst = max(worst, float(rel))
+    assert worst <= TOL, f"{what}: relative difference {worst:.3g} > {TOL}"
+    return worst
+
+
+def _roles(algorithm):
+    return ("actor",) if algorithm == "grpo" else ("actor", "critic")
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dppo", "flow_dppo"])
+def test_meshes_equal_one_device(tmp_path, algorithm, env, one_device_env):
+    single = tmp_path / "single"
+    rows = run_train(single, f"{algorithm}.py", *BASE, env=one_device_env)
+    want = {role: _export(single, tmp_path / f"single-{role}", role) for role in _roles(algorithm)}
+    for name, mesh in MESHES.items():
+        run_dir = tmp_path / name
+        mesh_rows = run_train(run_dir, f"{algorithm}.py", *BASE, *mesh, env=env)
+        assert mesh_rows[0]["tokens_checksum"] == rows[0]["tokens_checksum"], name
+        for role in _roles(algorithm):
+            got = _export(run_dir, tmp_path / f"{name}-{role}", role)
+            _assert_close(got, want[role], f"{algorithm} {name} {role}")
+    # the update moved the parameters: the comparison is not between two initialisations
+    init = _export(single, tmp_path / "single-step1", "actor", step=1)
+    assert any(np.abs(init[k] - want["actor"][k]).max() > 1e-6 for k in init)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_env):
+    """Saved on fsdp=8 after update 1; update 2 on data=2 x tensor=4 (and on one device) equals
+    the run that never stopped."""
+    straight = tmp_path / "straight"
+    run_train(straight, f"{algorithm}.py", *BASE, *MESHES["fsdp8"], env=env)
+    want = {
+        role: _export(straight, tmp_path / f"straight-{role}", role) for role in _roles(algorithm)
+    }
+    for name, target_env, mesh in (
+        ("dp2-tp4", env, MESHES["dp2-tp4"]),
+        ("one-device", one_device_env, ()),
+    ):
+        moved = tmp_path / name
+        run_train(
+            moved, f"{algorithm}.py", *BASE, *MESHES["fsdp8"], "--config.stop_after=1", env=env
+        )
+        rows = run_train(moved, f"{algorithm}.py", *BASE, *mesh, env=target_env)
+        assert [r["update"] for r in rows] == [0, 1]
+        for role in _roles(algorithm):
+            got = _export(moved, tmp_path / f"{name}-{role}", role)
+            _assert_close(got, want[role], f"{algorithm} resumed on {name} {role}")
+
+
+def _config(*overrides):
+    cfg = load_config_file("ppo.py")
+    with cfg.unlocked():
+        for key, value in overrides:
+            node = cfg
+            *path, last = key.split(".")
+            for part in path:
+                node = node[part]
+            node[last] = value
+    return cfg
+
+
+def test_fsdp8_shards_parameter_bytes():
+    """With fsdp=8 no device holds more than 1/8 of the actor's, the critic's or the optimizer
+    state's bytes plus the replicated vectors; on one device the same check fails."""
+    cfg = _config(("mesh.fsdp", 8))
+    model_cfg = actor_config(cfg)
+    training = Training(cfg, model_cfg, shd.make_mesh(fsdp=8))
+    state = training.fresh_state()
+    for tree in (state.actor_params, state.critic_params, state.actor_opt):
+        shd.assert_params_sharded(tree, 8)
+    held = shd.per_device_bytes(state.actor_params)
+    total = sum(x.nbytes for x in jax.tree.leaves(state.actor_params))
+    assert len(held) == 8 and max(held.values()) < total / 4
+    single = Training(cfg, model_cfg, shd.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+    with pytest.raises(AssertionError, match="holds"):
+        shd.assert_params_sharded(single.fresh_state().actor_params, 8)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--config.mesh.data=3"], "does not divide 8 devices"),
+        (["--config.mesh.fsdp=3"], "mesh data=1 x fsdp=3 x tensor=1 = 3 devices, but 8 are"),
+        (["--config.mesh.fsdp=2", "--config.mesh.tensor=-1", "--config.mesh.data=-1"], "at most"),
+        (
+            ["--config.mesh.fsdp=1", "--config.mesh.tensor=8", "--config.model.num_heads=4"],
+            "mesh.tensor=8 does not divide the model's query heads (4)",
+        ),
+        (
+            [
+                "--config.mesh.fsdp=2",
+                "--config.mesh.tensor=4",
+                "--config.model.intermediate_size=66",
+            ],
+            "MLP width",
+        ),
+        (["--config.mesh.fsdp=8", "--config.micro_batch_size=4"], "micro_batch_size=4 is not"),
+        (
+            [
+                "--config.mesh.fsdp=8",
+                "--config.prompts_per_update=3",
+                "--config.n_samples_per_prompt=2",
+            ],
+            "samples per update=6 is not divisible",
+        ),
+    ],
+)
+def test_bad_mesh_is_one_line_error(tmp_path, capsys, overrides, message):
+    run_dir = tmp_path / "run"
+    code = train_main(["--config", "ppo.py", f"--config.run_dir={run_dir}", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+    assert not os.path.exists(run_dir)
