@@ -398,7 +398,7 @@ class Trainer:
             total=last,
             initial=self.start_update,
             desc=cfg.algorithm,
-            disable=None if cfg.progress else True,
+            disable=None if cfg.progress and self.is_main else True,
         )
         try:
             for update in range(self.start_update, stop_at):
@@ -429,13 +429,16 @@ class Trainer:
         batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
         device_batch = self.learner.place_batch(batch.arrays())
         t1 = time.perf_counter()
-        if self.features is None:
+        if not cfg.draft_features.enabled:
             old_lp = self.learner.old_logprobs(self.state, device_batch)
         else:  # the same forward also yields the draft-model features
+            # every process runs the same programs (SPMD); only process 0 writes the features
             old_lp, hidden = self.learner.old_logprobs(self.state, device_batch, with_hidden=True)
-            metrics["draft_feature_tokens"] = float(
-                self.features.write(update, self.version, samples, batch, shd.to_host(hidden))
-            )
+            hidden = shd.to_host(hidden)
+            if self.features is not None:
+                metrics["draft_feature_tokens"] = float(
+                    self.features.write(update, self.version, samples, batch, hidden)
+                )
         old_lp_host = shd.to_host(old_lp)
         metrics["time_old_logprobs"] = time.perf_counter() - t1
         metrics.update(self.check_logprobs(update, batch, old_lp_host))
