@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop import sharding as shd
+from jaxloop.parallel import mesh as shd
 from jaxloop.models.orbax_io import CHECKPOINT_DIR, params_item, write_config
 from jaxloop.rl.state import TrainState
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxloop import distributed
-from jaxloop import sharding as shd
+from jaxloop.parallel import distributed
+from jaxloop.parallel import mesh as shd
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import (
     UsageError,

@@ -55,7 +55,7 @@ def parse_args(argv=None):
 def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     import jax
 
-    from jaxloop import sharding as shd
+    from jaxloop.parallel import mesh as shd
     from jaxloop.config import base_config, validate_mesh
     from jaxloop.models import LoopedConfig, tiny_hf_config
     from jaxloop.models.presets import FULL_SIZE

@@ -1,11 +1,12 @@
 """Sharded safetensors read/write driven by a family's HF name table.
 
 Import reads each tensor in slices (plain reads, no memory map) into one preallocated buffer per
-parameter, which becomes a device array as soon as it is complete (peak RAM about the model's size
-plus one parameter; `mesh=` places each one straight onto its sharding). Export plans shards and their headers from shapes, then streams
-each tensor straight to its shard file as it is produced (peak RAM: the model plus a tensor or
-two). bf16 is handled through ml_dtypes, so the round trip is byte-exact. `progress=True` shows a
-tqdm bar (bytes) on stderr, erased when done.
+parameter, which becomes a device array as soon as it is complete (peak RAM about the model's
+size plus one parameter; `mesh=` places each one straight onto its sharding). Export plans shards
+and their headers from shapes, then streams each tensor straight to its shard file as it is
+produced (peak RAM: the model plus a tensor or two; `write_hf` takes the tensors from any
+iterator, e.g. one parameter restored at a time). bf16 is handled through ml_dtypes, so the round
+trip is byte-exact. `progress=True` shows a tqdm bar (bytes) on stderr, erased when done.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_hf
 from jaxloop.models.looped import LoopedLM
-from jaxloop.sharding import logical_to_spec
+from jaxloop.parallel.mesh import logical_to_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -54,8 +55,13 @@ ROLE_KEY = "jaxloop_role"
 def model_hf_config(model: LoopedLM) -> dict:
     """The config.json dict of a model: every original key, head_dim explicit, and
     `jaxloop_role: critic` exactly when the model is a critic."""
-    hf = model.config.to_hf_dict()
-    if model.role == "critic":
+    return hf_config_dict(model.config, model.role)
+
+
+def hf_config_dict(cfg: LoopedConfig, role: str = "actor") -> dict:
+    """model_hf_config from a config and a role (no model needed)."""
+    hf = cfg.to_hf_dict()
+    if role == "critic":
         hf[ROLE_KEY] = "critic"
     else:
         hf.pop(ROLE_KEY, None)
@@ -345,14 +351,39 @@ def save_hf(
     shapes), so peak RAM is the model plus a tensor or two. progress: a bar over the bytes
     written, on stderr.
     """
+    return write_hf(
+        path,
+        model_hf_config(model),
+        hf_tensor_shapes(model.config, model.role),
+        iter_hf_tensors(model, hf_table(model.config, model.role)),
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        tokenizer_dir=tokenizer_dir,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+def write_hf(
+    path: str | Path,
+    hf_config: dict,
+    shapes: dict[str, tuple[int, ...]],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    dtype: str = "bfloat16",
+    max_shard_size: str | int = "5GB",
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """save_hf from parts: the config.json dict, every HF tensor's shape (in order) and an
+    iterator of (name, array) in that order, each consumed and dropped before the next is asked
+    for (so a producer that builds them one at a time bounds the peak: see orbax_io.export_hf).
+    """
     path = Path(path).resolve()
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty")
-    cfg = model.config
-    table = hf_table(cfg, model.role)
     np_dtype = np.dtype(jnp.dtype(dtype))
     limit = parse_size(max_shard_size)
-    shapes = hf_tensor_shapes(cfg, model.role)
     shards: list[list[str]] = [[]]
     size = 0
     total = 0
@@ -373,7 +404,6 @@ def save_hf(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        tensors = iter_hf_tensors(model, table)
         with progress_bar(total, "writing HF", progress) as bar:
             for names, file_name in zip(shards, file_names, strict=True):
                 specs = [(name, shapes[name]) for name in names]
@@ -384,7 +414,7 @@ def save_hf(
                 "weight_map": {name: file_names[shard_of[name]] for name in shapes},
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf = model_hf_config(model)
+        hf = dict(hf_config)
         hf["torch_dtype"] = str(jnp.dtype(dtype))
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         if tokenizer_dir is not None:

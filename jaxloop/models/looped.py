@@ -15,7 +15,7 @@ from flax import nnx
 from jaxloop.models import layers as L
 from jaxloop.models.config import LoopedConfig
 from jaxloop.models.kv_cache import KVCache
-from jaxloop.sharding import constrain
+from jaxloop.parallel.mesh import constrain
 
 ROLES = ("actor", "critic")
 # logical axes of activations (jaxloop.sharding maps them onto the mesh, when there is one)
@@ -237,7 +237,10 @@ def looped_forward(
         ys = (new_loop_cache, h if return_loops else None)
         return (h, loop_index + 1), ys
 
-    h0 = constrain(model.embed[...].astype(cdt)[input_ids], HIDDEN_AXES)
+    # the lookup gathers whole rows: the table's hidden width is gathered first (as FSDP does for
+    # every weight), its vocab rows may stay split over 'tensor'
+    table = constrain(model.embed[...].astype(cdt), ("vocab", "act_embed"))
+    h0 = constrain(table[input_ids], HIDDEN_AXES)
     loop_xs = None if cache is None else (cache.k, cache.v)
     (h, _), (new_kv, loop_hidden) = jax.lax.scan(
         run_loop, (h0, jnp.int32(0)), loop_xs, length=cfg.num_loops

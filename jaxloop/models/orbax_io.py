@@ -43,7 +43,7 @@ from jaxloop.models.hf_io import (
     progress_bar,
 )
 from jaxloop.models.looped import ROLES, LoopedLM
-from jaxloop.sharding import logical_to_spec
+from jaxloop.parallel.mesh import logical_to_spec
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"

@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxloop import sharding as shd
+from jaxloop.parallel import mesh as shd
 from jaxloop.rl import advantages as adv_lib
 from jaxloop.rl.algorithms import Algorithm
 from jaxloop.rl.batch import round_up

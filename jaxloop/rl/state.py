@@ -21,7 +21,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
-from jaxloop import sharding as shd
+from jaxloop.parallel import mesh as shd
 
 
 @struct.dataclass

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxloop import sharding as shd
+from jaxloop.parallel import mesh as shd
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache

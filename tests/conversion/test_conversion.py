@@ -42,7 +42,7 @@ from jaxloop.models.orbax_io import (
     restore_model,
     save_model,
 )
-from jaxloop.sharding import logical_to_spec, make_mesh
+from jaxloop.parallel.mesh import logical_to_spec, make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python")

@@ -287,7 +287,7 @@ def test_load_hf_reads_in_slices(tmp_path, monkeypatch, family):
 def test_load_hf_on_a_mesh(tmp_path):
     """mesh=make_mesh(fsdp=8): each parameter straight onto the NamedSharding of its logical
     axes (8 fake CPU devices), values equal to the unsharded load."""
-    from jaxloop.sharding import logical_to_spec, make_mesh
+    from jaxloop.parallel.mesh import logical_to_spec, make_mesh
 
     write_random_checkpoint(tmp_path / "src", "ouro", seed=9, dtype=torch.bfloat16)
     mesh = make_mesh(fsdp=8)

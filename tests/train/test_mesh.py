@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conversion.to_hf import main as to_hf
-from jaxloop import sharding as shd
+from jaxloop.parallel import mesh as shd
 from jaxloop.config import load_config_file
 from jaxloop.models.hf_io import checkpoint_files, read_safetensors
 from jaxloop.train import Training, actor_config

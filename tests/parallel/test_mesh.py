@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.sharding import batch_sharding, logical_to_spec, make_mesh, shard_model
+from jaxloop.parallel.mesh import batch_sharding, logical_to_spec, make_mesh, shard_model
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
