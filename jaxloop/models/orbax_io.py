@@ -23,6 +23,7 @@ which wants absolute paths).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 from pathlib import Path
@@ -35,13 +36,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxloop.models.config import LoopedConfig
+from jaxloop.models.families import hf_table
 from jaxloop.models.hf_io import (
     ROLE_KEY,
     abstract_model,
     copy_tokenizer_files,
+    hf_config_dict,
+    hf_tensor_shapes,
     model_hf_config,
     progress_bar,
+    write_hf,
 )
+from jaxloop.models.hf_mapping import expand, to_hf
 from jaxloop.models.looped import ROLES, LoopedLM
 from jaxloop.parallel.mesh import logical_to_spec
 
@@ -219,19 +225,7 @@ def restore_model(
     item = params_item(role)
     ckpt = _checkpoint_dir(run_dir)
     cfg = read_config(run_dir, role)
-    with _open(ckpt, _params_registry(item, budget_bytes)) as mngr, _quiet_other_items():
-        steps = mngr.all_steps()
-        if not steps:
-            raise RunDirError(f"{ckpt} holds no checkpoint")
-        if step is None:
-            step = mngr.latest_step()
-        elif step not in steps:
-            raise RunDirError(f"{ckpt} has no step {step} (steps: {sorted(steps)})")
-        metadata = mngr.item_metadata(step)
-        if metadata.get(item) is None:
-            items = sorted(metadata.keys())
-            raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
-        stored = metadata[item].tree
+    step, stored = _stored_params(ckpt, item, step)
     param_dtype = dtype or str(jnp.dtype(stored["embed"].dtype))
     cfg = cfg.replace(
         param_dtype=param_dtype,
@@ -254,19 +248,11 @@ def restore_model(
         stored,
         shardings,
     )
-    # A parameter's shards are admitted up to the limit at a time, and one request (the stored
-    # chunks it touches: up to the whole parameter in its stored dtype) must fit in it: the
-    # budget, raised to the largest parameter plus a quarter (slack for chunk padding). With one
-    # parameter restored at a time, that is also what is ever in flight.
-    largest = max(
-        int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(stored)
-    )
-    limit = max(int(budget_bytes), largest + largest // 4 + 1)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
     total = sum(x.size * x.dtype.itemsize for _, x in leaves)
     arrays = []
     with (
-        _open(ckpt, _params_registry(item, limit)) as mngr,
+        _open(ckpt, _params_registry(item, _read_limit(stored, budget_bytes))) as mngr,
         _quiet_other_items(),
         progress_bar(total, "restoring", progress) as bar,
     ):
@@ -275,6 +261,34 @@ def restore_model(
             bar.update(x.size * x.dtype.itemsize)
     nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
     return nnx.merge(graphdef, params, rest)
+
+
+def _stored_params(ckpt: Path, item: str, step: int | None) -> tuple[int, dict]:
+    """The step (default: latest) and the stored metadata tree of its `item`, or RunDirError."""
+    with _open(ckpt, _params_registry(item, RESTORE_BUDGET_BYTES)) as mngr, _quiet_other_items():
+        steps = mngr.all_steps()
+        if not steps:
+            raise RunDirError(f"{ckpt} holds no checkpoint")
+        if step is None:
+            step = mngr.latest_step()
+        elif step not in steps:
+            raise RunDirError(f"{ckpt} has no step {step} (steps: {sorted(steps)})")
+        metadata = mngr.item_metadata(step)
+        if metadata.get(item) is None:
+            items = sorted(metadata.keys())
+            raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
+        return step, metadata[item].tree
+
+
+def _read_limit(stored: dict, budget_bytes: int) -> int:
+    """Orbax admits a parameter's shard reads up to this many bytes at a time, and one request
+    (the stored chunks it touches: up to the whole parameter in its stored dtype) must fit in
+    it: the budget, raised to the largest parameter plus a quarter (slack for chunk padding).
+    With one parameter restored at a time, that is also all that is ever in flight."""
+    largest = max(
+        int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(stored)
+    )
+    return max(int(budget_bytes), largest + largest // 4 + 1)
 
 
 def _params_registry(item: str, budget_bytes: int):
@@ -317,6 +331,93 @@ def _restore_one(mngr, step: int, item: str, path, x: jax.ShapeDtypeStruct) -> j
     restored = mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
     (array,) = jax.tree.leaves(restored)
     return array
+
+
+def _restore_host(mngr, step: int, item: str, path: tuple[str, ...], stored_leaf) -> np.ndarray:
+    """One parameter as a numpy array in its stored dtype, never on a device (for export)."""
+
+    def nest(leaf):
+        for key in reversed(path):
+            leaf = {key: leaf}
+        return leaf
+
+    args = ocp.args.PyTreeRestore(
+        nest(stored_leaf),
+        restore_args=nest(ocp.RestoreArgs(restore_type=np.ndarray)),
+        partial_restore=True,
+    )
+    restored = mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+    for key in path:
+        restored = restored[key]
+    return restored
+
+
+# ---- export ------------------------------------------------------------------------------------
+def export_hf(
+    run_dir: str | Path,
+    path: str | Path,
+    role: str = "actor",
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+    *,
+    budget_bytes: int = RESTORE_BUDGET_BYTES,
+) -> tuple[Path, LoopedConfig]:
+    """Write the `{role}_params` of `step` (default: latest) as an HF checkpoint: what
+    `save_hf(restore_model(...), ...)` writes (tokenizer files of run_dir/tokenizer/ included),
+    without a model: parameters are restored to host memory one at a time, in the HF table's
+    order, each one's tensors streamed to the shards and the parameter dropped before the next is
+    read. Peak RAM: about the largest parameter twice (orbax's read buffer and its decoded copy),
+    whatever the model's size. dtype: None writes the stored dtype. Returns (path, config).
+    """
+    item = params_item(role)
+    ckpt = _checkpoint_dir(run_dir)
+    cfg = read_config(run_dir, role)
+    step, stored = _stored_params(ckpt, item, step)
+    param_dtype = str(jnp.dtype(stored["embed"].dtype))
+    cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=param_dtype)
+    _check_shapes(nnx.to_pure_dict(nnx.state(abstract_model(cfg, role), nnx.Param)), stored, item)
+    flat_stored = {
+        tuple(k.key for k in keys): leaf
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]
+    }
+    tokenizer = Path(run_dir).resolve() / TOKENIZER_DIR
+
+    def tensors(mngr):
+        held: tuple[tuple[str, ...] | None, np.ndarray | None] = (None, None)
+        for t in expand(hf_table(cfg, role), cfg):
+            if held[0] != t.path:
+                large = held[1] is not None and held[1].nbytes >= 2**24
+                held = (None, None)  # drop the previous parameter before reading the next
+                if large:  # orbax leaves a restored array in a cycle of finished futures too
+                    gc.collect()
+                held = (t.path, _restore_host(mngr, step, item, t.path, flat_stored[t.path]))
+            # no local keeps a view of the parameter: it must be freed when `held` moves on
+            yield t.name, _hf_tensor(held[1], t)
+
+    with (
+        _open(ckpt, _params_registry(item, _read_limit(stored, budget_bytes))) as mngr,
+        _quiet_other_items(),
+    ):
+        out = write_hf(
+            path,
+            hf_config_dict(cfg, role),
+            hf_tensor_shapes(cfg, role),
+            tensors(mngr),
+            dtype=dtype or param_dtype,
+            max_shard_size=max_shard_size,
+            tokenizer_dir=tokenizer if tokenizer.is_dir() else None,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    return out, cfg
+
+
+def _hf_tensor(param: np.ndarray, t) -> np.ndarray:
+    """HF tensor `t` (a layer of, or all of) a parameter, contiguous."""
+    return np.ascontiguousarray(to_hf(param if t.layer is None else param[t.layer], t.layout))
 
 
 def _check_shapes(want: dict, stored: dict, item: str) -> None:

@@ -341,6 +341,54 @@ def test_restore_streams_parameters_larger_than_the_budget(tmp_path, monkeypatch
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.parametrize("role,dtype", [("actor", None), ("critic", "bfloat16")])
+def test_export_hf_equals_save_hf_of_the_restored_model(tmp_path, monkeypatch, role, dtype):
+    """export_hf (what to_hf runs) writes the files save_hf(restore_model(...)) writes, from a
+    step holding jax arrays and other items (as the trainer writes it), restoring one parameter
+    at a time to host memory and freeing each before the next is read."""
+    import gc
+    import weakref
+
+    from jaxloop.models import orbax_io
+
+    model = _model("ouro", role, 13)
+    run = tmp_path / "run"
+    save_model(run, model, step=0)
+    opt = {"mu": jnp.ones((3, 4))}
+    with ocp.CheckpointManager(run / CHECKPOINT_DIR) as mngr:
+        items = {params_item(role): ocp.args.StandardSave(_pure(model)),
+                 f"{role}_opt": ocp.args.StandardSave(opt)}  # fmt: skip
+        mngr.save(7, args=ocp.args.Composite(**items))
+        mngr.wait_until_finished()
+    want = save_hf(restore_model(run, role), tmp_path / "want", dtype=dtype or "float32",
+                   max_shard_size="20KB")  # fmt: skip
+
+    alive = []
+    restore_host = orbax_io._restore_host
+
+    def spy(*args):
+        gc.collect()  # orbax's own garbage cycles hold restored arrays too (export_hf collects
+        # them itself after a large parameter); what must not hold one is export_hf's writer
+        assert not [r for r in alive if r() is not None], "a parameter outlived its export"
+        array = restore_host(*args)
+        assert isinstance(array, np.ndarray)
+        alive.append(weakref.ref(array))
+        return array
+
+    monkeypatch.setattr(orbax_io, "_restore_host", spy)
+    got, cfg = orbax_io.export_hf(run, tmp_path / "got", role, dtype=dtype,
+                                  max_shard_size="20KB", budget_bytes=1000)  # fmt: skip
+    assert got == tmp_path / "got" and cfg.param_dtype == "float32"
+    assert len(alive) == len(jax.tree.leaves(_pure(model)))  # each parameter read once
+    files = sorted(p.name for p in want.iterdir())
+    assert len(files) > 3 and files == sorted(p.name for p in got.iterdir())
+    for name in files:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+    with pytest.raises(RunDirError, match="no step 3"):
+        orbax_io.export_hf(run, tmp_path / "never", role, step=3)
+    assert not (tmp_path / "never").exists()
+
+
 def _expected_shardings(model: LoopedLM, mesh) -> dict:
     return {
         path: jax.sharding.NamedSharding(mesh, logical_to_spec(var.logical_axes, var.shape, mesh))
@@ -542,7 +590,7 @@ def test_cli_progress_bars_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert "reading HF" in err and "\n" not in err
     assert to_hf.main(["--checkpoint", str(run), "--out", str(hf_out)]) == 0
     err = capsys.readouterr().err
-    assert "restoring" in err and "writing HF" in err and "\n" not in err
+    assert "writing HF" in err and "\n" not in err  # export restores as it writes: one bar
     assert_same_tensors(read_hf_tensors(hf_out), tensors)
 
     _add(hf_in, "model.extra.weight", np.zeros(4, np.float32))
