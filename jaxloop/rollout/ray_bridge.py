@@ -37,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from jaxloop.config import engine_log_level
 from jaxloop.rollout.engine import PublicationError
 from jaxloop.rollout.publication import Manifest, PublicationReceiver, dtype_name, iter_chunks
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
@@ -95,6 +97,7 @@ class EngineSpec:
     seed: int = 0
     max_model_len: int = 2048
     llm_kwargs: dict = dataclasses.field(default_factory=dict)
+    log_level: str = "WARNING"  # the actor's log level (rollout.engine_log_level)
 
     def __post_init__(self):
         if self.kind not in ("jax", "vllm"):
@@ -103,6 +106,80 @@ class EngineSpec:
             raise ValueError("a 'jax' engine spec needs hf_config")
         if self.kind == "vllm" and not self.model_dir:
             raise ValueError("a 'vllm' engine spec needs model_dir")
+
+
+# Warnings that jaxloop's own engine settings cause by design, hidden at levels above INFO
+# (verbose shows them): no tokenizer in the engine (jaxloop tokenizes), in-place weight reloads
+# (the rotary embedding has no weights), per-request seeds, and the CPU test engines (eager, no
+# Triton).
+BENIGN_ENGINE_MESSAGES = (
+    "Chat template warmup failed",
+    "because tokenizer is not initialized",
+    "RotaryEmbedding: Failed to load weights",
+    "The global random seed is set to",
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "doesn't allow to use `torch.set_num_threads`",
+    "Triton is not installed",
+    "Triton not available",
+    "Reset SSM cache type",
+    "is not found in LD_PRELOAD",
+)
+
+
+class _BenignFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        return not any(m in message for m in BENIGN_ENGINE_MESSAGES)
+
+
+def configure_actor_logging(level: str) -> None:
+    """Log level of this actor process (before vLLM / torch are imported): vLLM's logger via
+    VLLM_LOGGING_LEVEL (an explicit one in the environment wins), Python's root and Ray loggers,
+    and, above INFO, no deprecation warnings."""
+    level = level.upper()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+    logging.getLogger().setLevel(level)
+    logging.getLogger("ray").setLevel(level)
+    if logging.getLevelName(level) > logging.INFO:
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _filter_benign_vllm(level: str) -> str | None:
+    """Above INFO, have vLLM configure its logging (it does so when an engine starts, replacing
+    any handler set earlier) from its default config plus a _BenignFilter (BENIGN_ENGINE_MESSAGES)
+    on its handlers, through VLLM_LOGGING_CONFIG_PATH (one set in the environment wins); torch's
+    handler gets the filter too. Returns the file written."""
+    if logging.getLevelName(level.upper()) <= logging.INFO:
+        return None
+    import torch  # noqa: F401  (installs the handler of the "torch" logger)
+
+    for handler in logging.getLogger("torch").handlers:
+        handler.addFilter(_BenignFilter())
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        return None
+    try:
+        import copy
+        import json
+
+        import vllm.logger
+
+        config = copy.deepcopy(vllm.logger.DEFAULT_LOGGING_CONFIG)
+        config.setdefault("filters", {})["jaxloop_benign"] = {"()": f"{__name__}._BenignFilter"}
+        for handler in config["handlers"].values():
+            handler["filters"] = [*handler.get("filters", []), "jaxloop_benign"]
+        fd, path = tempfile.mkstemp(prefix="jaxloop-vllm-logging-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+    except Exception as e:  # another vLLM logging layout: unfiltered, never fatal
+        logger.debug("vLLM log filter not installed: %r", e)
+        return None
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
+    return path
 
 
 def _read_chunk(chunk, transport: str):
@@ -116,14 +193,18 @@ def _read_chunk(chunk, transport: str):
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class EngineActor:
-    """One rollout engine in its own process."""
+    """One rollout engine in its own process; its log lines are prefixed `(engine <index> pid=...)`
+    (Ray's prefix is the actor's repr)."""
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, index: int = 0):
         start = time.perf_counter()
         self.spec = spec
+        self.index = int(index)
+        configure_actor_logging(spec.log_level)
         self._delay = 0.0
         self._health_delay = 0.0
         self._marker_dir = ""
+        self._log_config: str | None = None
         if spec.kind == "jax":
             import jax.numpy as jnp
             from flax import nnx
@@ -140,8 +221,13 @@ class EngineActor:
             )
             self.expected = dict(self.receiver.expected)
         else:
+            self._log_config = _filter_benign_vllm(spec.log_level)
+            import vllm.logger
+
             from jaxloop.rollout.vllm_engine import VLLMEngine
 
+            if hasattr(vllm.logger, "set_vllm_process_name"):  # "(engine 0 pid=...) WARNING ..."
+                vllm.logger.set_vllm_process_name(f"engine {self.index}")
             self.engine = VLLMEngine(
                 spec.model_dir,
                 dtype=spec.dtype,
@@ -152,6 +238,9 @@ class EngineActor:
             self.receiver = None
             self.expected = dict(self.engine.expected)
         self.start_seconds = time.perf_counter() - start
+
+    def __repr__(self) -> str:
+        return f"engine {getattr(self, 'index', '?')}"
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "start_seconds": self.start_seconds, "kind": self.spec.kind}
@@ -213,6 +302,8 @@ class EngineActor:
 
     def close(self) -> None:
         self.engine.close()
+        if self._log_config:
+            Path(self._log_config).unlink(missing_ok=True)
 
 
 # ---- engine group (inside the manager) -----------------------------------------------------------
@@ -284,7 +375,7 @@ class EngineGroup:
         )
         if resources:
             options["resources"] = resources
-        return EngineActor.options(**options).remote(self.spec)
+        return EngineActor.options(**options).remote(self.spec, index)
 
     def _gather(self, refs: dict[int, Any], timeout: float | None = None) -> dict[int, Any]:
         out = {}
@@ -537,6 +628,7 @@ class RolloutManager:
     ):
         from jaxloop.rollout.producer import RolloutProducer
 
+        configure_actor_logging(spec.log_level)
         start = time.perf_counter()
         # a health check is a trivial call: bounded by the generate timeout, at most 2 minutes
         self.group = EngineGroup(
@@ -548,6 +640,9 @@ class RolloutManager:
         )
         self.producer = RolloutProducer(settings, self.group)
         self.start_seconds = time.perf_counter() - start
+
+    def __repr__(self) -> str:
+        return "rollout manager"
 
     def info(self) -> dict:
         return {
@@ -626,6 +721,7 @@ class RayRolloutClient:
         self.cfg = cfg
         r = cfg.rollout
         self.kind = engine_kind or r.engine
+        self.log_level = engine_log_level(cfg)
         self.transport = r.transport
         if self.transport not in TRANSPORTS:
             raise ValueError(f"rollout.transport={self.transport!r}; expected one of {TRANSPORTS}")
@@ -668,12 +764,18 @@ class RayRolloutClient:
         if ray.is_initialized():
             return  # a cluster this process already joined (not ours to shut down)
         start = time.perf_counter()
-        if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        else:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local test cluster
-            # one logical CPU per engine (its bundle) and one spare
-            ray.init(num_cpus=num_engines + 1, include_dashboard=False)
+        quiet = logging.getLevelName(self.log_level) > logging.INFO
+        # the engines' lines reach this process (log_to_driver); Ray's own at the engines' level
+        common = dict(include_dashboard=False, log_to_driver=True, logging_level=self.log_level)
+        with warnings.catch_warnings():
+            if quiet:  # Ray starts its processes with fork + exec, not a bare fork
+                warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            if address:
+                ray.init(address=address, **common)
+            else:
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local test cluster
+                # one logical CPU per engine (its bundle) and one spare
+                ray.init(num_cpus=num_engines + 1, **common)
         self._started_ray = True
         self.timings["ray_init_s"] = time.perf_counter() - start
 
@@ -690,6 +792,7 @@ class RayRolloutClient:
                     attention_impl=m.attention_impl,
                 ),
                 seed=int(cfg.seed),
+                log_level=self.log_level,
             )
             return spec, {"CPU": 1.0}
         if self.kind != "vllm":
@@ -702,10 +805,14 @@ class RayRolloutClient:
         limit = int(m.hf_config.get("max_position_embeddings", 1 << 30))
         need = settings.max_prompt_tokens + settings.sampling.max_new_tokens
         llm_kwargs: dict[str, Any] = {}
+        if logging.getLevelName(self.log_level) > logging.INFO:
+            llm_kwargs["use_tqdm_on_load"] = False  # weight-loading progress bars
         if gpus < 1:  # CPU engines (tests, CI): eager, in-process engine core, small KV cache
             llm_kwargs["enforce_eager"] = True
             self._runtime_env["env_vars"].setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             self._runtime_env["env_vars"].setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if logging.getLevelName(self.log_level) > logging.INFO:  # torch's NUMA binding note
+                self._runtime_env["env_vars"].setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         spec = EngineSpec(
             kind="vllm",
             model_dir=str(model_dir),
@@ -713,6 +820,7 @@ class RayRolloutClient:
             seed=int(cfg.seed),
             max_model_len=min(limit, _round_up(need, 32)),
             llm_kwargs=llm_kwargs,
+            log_level=self.log_level,
         )
         return spec, ({"CPU": 1.0, "GPU": 1.0} if gpus >= 1 else {"CPU": 1.0})
 

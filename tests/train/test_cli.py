@@ -3,13 +3,14 @@ non-finite rewards are dropped and counted; training starts from an HF directory
 
 import json
 import math
+import re
 
 import pytest
 from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
 from jaxloop.train import main
-from tests.train.helpers import TINY, run_train
+from tests.train.helpers import TINY, read_rows, run_train
 
 
 def _run_main(capsys, *argv):
@@ -35,10 +36,14 @@ def _run_main(capsys, *argv):
         (["--config", "ppo.py", "--config.optim.schedule=nope"], "optim.schedule"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry_run"])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message, dry_run):
+    """The same one-line error in a real run and in a dry run."""
     run_dir = tmp_path / "run"
-    code, err = _run_main(capsys, *TINY, f"--config.run_dir={run_dir}", *args)
-    assert code == 2
+    extra = ["--dry-run"] if dry_run else []
+    code = main([*TINY, f"--config.run_dir={run_dir}", *args, *extra])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert not run_dir.exists()
@@ -60,9 +65,104 @@ def test_empty_dataset_is_an_error(tmp_path, capsys):
     assert not run_dir.exists()
 
 
-def test_help_exits_2_without_writing(capsys):
-    code, err = _run_main(capsys, "--help")
-    assert code == 2 and "usage" in err
+def _snapshot(root):
+    """(path, size, mtime) of everything under root."""
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    )
+
+
+def test_help_exits_0_without_writing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["--config", "ppo.py", "--help", f"--config.run_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "" and out.startswith("usage: ")
+    assert "run_dir='runs/ppo'" in out  # the named config's values; overrides are not applied
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_prints_the_resolved_tree_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    code = main(
+        ["--config", "grpo.py", *TINY, f"--config.run_dir={run_dir}", "--config.optim.lr=3e-3"]
+        + ["--dry-run"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    assert lines[0] == "top level:" and "rollout:" in lines and "mesh:" in lines
+    assert "  algorithm = 'grpo'  # default 'flow_dppo'" in lines
+    assert "  lr = 0.003  # default 0.001" in lines
+    assert "  n_samples_per_prompt = 2  # default 8" in lines
+    assert "  kl_coef = 0.0" in lines  # an unchanged key: no mark
+    assert f"  run_dir = {str(run_dir)!r} (new)" in lines
+    assert lines[-1] == "dry run: the config is valid; nothing was written"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finished_run_summary_resume_and_rerun(tmp_path, capsys, monkeypatch):
+    """stop_after=1 of 2, then the rest: each process ends with the summary and curves.png; a
+    third run of the finished dir is one line, exit 0, builds nothing and writes nothing."""
+    run_dir = tmp_path / "run"
+    common = ["--config", "ppo.py", *TINY, f"--config.run_dir={run_dir}"]
+    common += ["--config.total_updates=2", "--config.eval_every=1"]
+    assert main([*common, "--config.stop_after=1"]) == 0
+    err = capsys.readouterr().err
+    assert "run summary: update 1 of 2" in err
+    assert re.search(r"updates this process +1 \(updates 0 -> 1\)", err), err
+    assert main(common) == 0
+    err = capsys.readouterr().err
+    rows = read_rows(run_dir)
+    assert [r["update"] for r in rows] == [0, 1]
+    summary = _summary_table(err)
+    assert summary["updates this process"] == "1 (updates 1 -> 2)"
+    final = rows[-1]["final_eval_reward"]
+    best = max(final, *(r["eval_reward"] for r in rows))
+    assert float(summary["final eval reward"]) == pytest.approx(final, abs=5e-5)
+    assert float(summary["best eval reward"]) == pytest.approx(best, abs=5e-5)
+    mean = sum(r["reward_mean"] for r in rows) / 2
+    assert float(summary["mean reward, last 2 updates"]) == pytest.approx(mean, abs=5e-5)
+    speed = rows[1]["tokens_per_s"]
+    assert float(summary["tokens/s (mean per update)"]) == pytest.approx(speed, abs=0.051)
+    assert summary["wall time"].endswith(" s") and float(summary["wall time"][:-2]) > 0
+    assert summary["engine restarts"] == "0" and summary["skipped updates"] == "0"
+    assert summary["metrics"] == str(run_dir / "metrics.jsonl")
+    assert summary["tensorboard"] == str(run_dir / "tb") and any((run_dir / "tb").iterdir())
+    assert summary["curves"] == str(run_dir / "curves.png")
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["checkpoint"] == str(run_dir / "checkpoints" / "2")
+
+    import jaxloop.train as train
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("a finished run built a Trainer")
+
+    monkeypatch.setattr(train, "Trainer", no_trainer)
+    before = _snapshot(run_dir)
+    code = main(common)
+    out, err = capsys.readouterr()
+    assert code == 0 and out == ""
+    assert err == (
+        "run already complete: update 2 of 2 (raise --config.total_updates to continue)\n"
+    )
+    assert _snapshot(run_dir) == before
+    # a dry run says so too, and writes nothing either
+    assert main([*common, "--dry-run"]) == 0
+    assert f"({'already complete: update 2 of 2'})" in capsys.readouterr().out
+    assert _snapshot(run_dir) == before
+
+
+def _summary_table(err: str) -> dict[str, str]:
+    lines = err.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("run summary: "))
+    table = {}
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        label, value = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        table[label] = value
+    return table
 
 
 def nan_for_odd_seeds(response: str, label: str) -> float:

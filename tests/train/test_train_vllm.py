@@ -77,14 +77,19 @@ def _vllm_run(tmp_path, algorithm, cluster, env, straight_runs):
         ready = re.search(r"ready in ([\d.]+)s \(engine start ([\d.]+)s", proc.stderr)
         assert ready, proc.stderr[-2000:]
         TIMINGS[f"{algorithm}_engine_start_s"] = float(ready.group(2))
-        straight_runs[algorithm] = (run_dir, proc.stderr)
+        straight_runs[algorithm] = (run_dir, proc.stdout + proc.stderr)  # both: all it printed
     return straight_runs[algorithm]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs):
-    run_dir, stderr = _vllm_run(tmp_path, algorithm, cluster, env, straight_runs)
-    assert "vllm engine(s) ready" in stderr
+    run_dir, output = _vllm_run(tmp_path, algorithm, cluster, env, straight_runs)
+    assert "vllm engine(s) ready" in output
+    # quiet engines by default (rollout.engine_log_level=WARNING): no INFO line from vLLM, Ray
+    # or the actors on stdout or stderr, and the run ends with its summary
+    info = [line for line in output.splitlines() if re.search(r"\bINFO\b", line)]
+    assert not info, info[:5]
+    assert "run summary: update 2 of 2" in output and (run_dir / "curves.png").is_file()
     rows = read_rows(run_dir)
     assert [r["update"] for r in rows] == [0, 1]
     assert [r["policy_version"] for r in rows] == [0.0, 1.0]
@@ -103,6 +108,23 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     embedded = tmp_path / f"{algorithm}_embedded"
     _train(embedded, algorithm, "--config.total_updates=1", env=env)
     assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts"}
+
+
+def test_verbose_shows_the_engines_info_lines(tmp_path, cluster, env):
+    """--config.verbose=True: vLLM's INFO lines come through, prefixed by the engine index."""
+    proc, _ = _train(
+        tmp_path / "verbose",
+        "grpo",
+        "--config.total_updates=1",
+        "--config.verbose=True",
+        env=env,
+        address=cluster,
+    )
+    output = proc.stdout + proc.stderr  # vLLM logs to stdout, Ray forwards it as it is
+    info = [line for line in output.splitlines() if re.search(r"\bINFO\b", line)]
+    assert len(info) > 5, output[-2000:]
+    from_vllm = [line for line in info if "[" in line and "pid=" in line]
+    assert from_vllm and all("(engine 0 pid=" in line for line in from_vllm), from_vllm[:5]
 
 
 def test_resume_through_ray_vllm(tmp_path, cluster, env, straight_runs):
