@@ -16,6 +16,8 @@ from typing import Any
 
 import ml_collections
 
+from jaxloop.data.tasks import DEFAULT_TASK
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -70,7 +72,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "builtin"  # or a JSONL / Parquet file of {prompt, label}
-    c.data.task = "copy_first"
+    c.data.eval_source = ""  # held-out {prompt, label} file for evaluation
+    c.data.task = DEFAULT_TASK
     c.data.num_digits = 4
     c.data.tokenizer = "char"  # 'char' or a local HF tokenizer dir
     c.data.reward = "exact_match"
@@ -92,6 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
     # not is killed, restarted with the committed policy and its part regenerated (health checks:
     # min(120, this))
     c.rollout.engine_timeout_s = 600.0
+    c.rollout.publish_timeout_s = 600.0  # the same for an engine's part of a publication
     c.rollout.engine_log_level = "WARNING"  # engine actors (vLLM, Ray); verbose=True: INFO
 
     c.optim = ml_collections.ConfigDict()
@@ -107,6 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-3
     c.critic.steps_per_rollout = 1
+    c.critic.loss_scale = 1.0  # value loss = loss_scale * max((V_clip - R)^2, (V - R)^2)
 
     c.algo = ml_collections.ConfigDict()
     c.algo.clip_eps = 0.2
@@ -197,6 +202,8 @@ DESCRIPTIONS = {
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
+    "data.eval_source": "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; "
+    "empty: the built-in task's held-out split (a file data.source then has no evaluation)",
     "data.task": "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10",
     "data.num_digits": "built-in task: digits per prompt",
     "data.tokenizer": "char (one token per character) or a local HF tokenizer dir",
@@ -215,6 +222,8 @@ DESCRIPTIONS = {
     "rollout.transport": "vllm: publication transport object_store | disk",
     "rollout.engine_timeout_s": "vllm: seconds an engine may take for its part of a generate "
     "call; past it, it is restarted and its part regenerated",
+    "rollout.publish_timeout_s": "vllm: seconds an engine may take for its part of a policy "
+    "publication; past it, it is restarted with the committed policy and the publication resent",
     "rollout.engine_log_level": "vllm: log level in the engine actors: DEBUG | INFO | WARNING | "
     "ERROR",
     "optim.name": "adamw | sgd (no momentum)",
@@ -227,6 +236,7 @@ DESCRIPTIONS = {
     "optim.grad_clip": "global gradient-norm clip of actor and critic (0: off)",
     "critic.lr": "critic learning rate (constant)",
     "critic.steps_per_rollout": "critic optimizer steps per rollout batch",
+    "critic.loss_scale": "factor of the clipped squared value error (0.5: the 1/2 convention)",
     "algo.clip_eps": "PPO ratio clip (both sides unless clip_eps_high)",
     "algo.clip_eps_high": "upper ratio clip (clip-higher); <0: clip_eps",
     "algo.dual_clip": "dual-clip bound (> 1) for negative advantages; <0: off",
@@ -488,8 +498,24 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("total_updates", "prompts_per_update", "micro_batch_size", "n_samples_per_prompt"):
         if cfg[key] < 1:
             raise UsageError(f"{key} must be >= 1 (got {cfg[key]})")
+    if cfg.updates_per_rollout < 0:
+        raise UsageError(f"updates_per_rollout must be >= 0 (got {cfg.updates_per_rollout})")
+    if cfg.critic.steps_per_rollout < 1:
+        raise UsageError(
+            f"critic.steps_per_rollout must be >= 1 (got {cfg.critic.steps_per_rollout})"
+        )
     if cfg.rollout.temperature <= 0:
         raise UsageError("rollout.temperature must be > 0")
+    if cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0:
+        raise UsageError(
+            f"rollout.top_p={cfg.rollout.top_p:g} / rollout.top_k={cfg.rollout.top_k}: training "
+            "rollouts must sample the full distribution (the log-probs are of the unfiltered one, "
+            "so every ratio would be biased); use top_p=1 and top_k=-1"
+        )
+    if cfg.data.eval_source and not Path(cfg.data.eval_source).is_file():
+        raise UsageError(f"data.eval_source={cfg.data.eval_source!r} is not a file")
+    if not cfg.critic.loss_scale > 0:
+        raise UsageError(f"critic.loss_scale must be > 0 (got {cfg.critic.loss_scale})")
     if cfg.rollout.transport not in ("object_store", "disk"):
         raise UsageError(
             f"rollout.transport={cfg.rollout.transport!r}; expected 'object_store' or 'disk'"
@@ -497,10 +523,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("num_engines", "publish_bucket_mb"):
         if cfg.rollout[key] < 1:
             raise UsageError(f"rollout.{key} must be >= 1 (got {cfg.rollout[key]})")
-    if not cfg.rollout.engine_timeout_s > 0:
-        raise UsageError(
-            f"rollout.engine_timeout_s must be > 0 (got {cfg.rollout.engine_timeout_s})"
-        )
+    for key in ("engine_timeout_s", "publish_timeout_s"):
+        if not cfg.rollout[key] > 0:
+            raise UsageError(f"rollout.{key} must be > 0 (got {cfg.rollout[key]})")
     if cfg.optim.schedule not in ("constant", "cosine", "linear"):
         raise UsageError(f"optim.schedule={cfg.optim.schedule!r}; expected constant/cosine/linear")
     if cfg.optim.name not in ("adamw", "sgd"):

@@ -96,13 +96,18 @@ def launch_local(train_args: list[str], n: int, devices_per_process: int | None)
 
 
 def launch_ray(
-    train_args: list[str], n: int, address: str, strategy: str, resources: dict[str, float]
+    train_args: list[str],
+    n: int,
+    address: str,
+    strategy: str,
+    resources: dict[str, float],
+    devices_per_process: int | None = None,
 ) -> int:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ray.init(address=address or None, log_to_driver=True)
+    ray.init(address=address or None, log_to_driver=True, include_dashboard=False)
 
     @ray.remote
     class TrainerProcess:
@@ -124,6 +129,7 @@ def launch_ray(
     ]
     coordinator = ray.get(actors[0].address.remote())
     passthrough = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))}
+    passthrough = process_env(devices_per_process, passthrough)
     codes = ray.get(
         [
             actor.run.remote(process_args(train_args, coordinator, n, rank), passthrough)
@@ -157,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus_per_process:
             resources["GPU"] = args.gpus_per_process
         return launch_ray(
-            train_args, args.num_processes, args.ray_address, args.ray_strategy, resources
+            train_args,
+            args.num_processes,
+            args.ray_address,
+            args.ray_strategy,
+            resources,
+            args.devices_per_process,
         )
     return launch_local(train_args, args.num_processes, args.devices_per_process)
 

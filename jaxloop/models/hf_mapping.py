@@ -87,12 +87,16 @@ def hf_shape(layout: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def iter_hf_tensors(model, table: list[TensorMap]) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy array in the parameter dtype) for every tensor of `model`, in table order."""
+    """(HF name, numpy array in the parameter dtype) for every tensor of `model`, in table order.
+
+    A layer of a stacked parameter is sliced on its devices before it comes to the host, so a
+    sharded model reaches the host one HF tensor at a time (never a whole stacked parameter, and
+    no host copy cached on the device array)."""
     for t in expand(table, model.config):
-        value = np.asarray(get_param(model, t.path)[...])
+        value = get_param(model, t.path)[...]
         if t.layer is not None:
             value = value[t.layer]
-        yield t.name, np.ascontiguousarray(to_hf(value, t.layout))
+        yield t.name, np.ascontiguousarray(to_hf(np.asarray(value), t.layout))
 
 
 def get_param(model, path: tuple[str, ...]):

@@ -369,10 +369,16 @@ class Learner:
             step_metrics["grad_norm"] = optax.tree.norm(grads)
             return (params, opt_state), step_metrics
 
-        (actor_params, actor_opt), per_step = jax.lax.scan(
-            policy_step, (state.actor_params, state.actor_opt), parts
+        # The step loop is unrolled (a handful of steps): a scan would double-buffer its carry,
+        # i.e. hold a second copy of the parameters and optimizer state.
+        carry, per_step = (state.actor_params, state.actor_opt), []
+        for i in range(plan.shape[0]):
+            carry, step_metrics = policy_step(carry, {k: v[i] for k, v in parts.items()})
+            per_step.append(step_metrics)
+        actor_params, actor_opt = carry
+        metrics.update(
+            {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
         )
-        metrics.update({name: jnp.mean(v) for name, v in per_step.items()})
 
         critic_params, critic_opt = state.critic_params, state.critic_opt
         if has_critic:
@@ -401,10 +407,11 @@ class Learner:
                 }
                 return (params, opt_state), step_metrics
 
-            (critic_params, critic_opt), per_critic = jax.lax.scan(
-                critic_step, (critic_params, critic_opt), None, length=cfg.critic_steps
-            )
-            metrics.update({name: v[-1] for name, v in per_critic.items()})
+            carry = (critic_params, critic_opt)
+            for _ in range(cfg.critic_steps):  # unrolled, as the policy steps
+                carry, critic_metrics = critic_step(carry, None)
+            critic_params, critic_opt = carry
+            metrics.update(critic_metrics)
             metrics["explained_variance"] = _explained_variance(values, returns, mask)
 
         new_state = state.replace(

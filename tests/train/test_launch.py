@@ -43,6 +43,34 @@ def test_two_processes_match_one(tmp_path, env):
     )
 
 
+def test_ray_launch_places_processes(tmp_path, env):
+    """--ray: the processes are Ray actors in a placement group (PACK here: this cluster is one
+    node; STRICT_SPREAD puts one per node), joined by JAX's runtime; 1 GRPO update."""
+    run_dir = tmp_path / "ray"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxloop.launch",
+        "--ray",
+        "--ray-strategy",
+        "PACK",
+        "--num-processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        "--config",
+        "grpo.py",
+        f"--config.run_dir={run_dir}",
+        *BASE,
+        "--config.total_updates=1",
+        "--config.mesh.fsdp=8",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["update"] for r in read_rows(run_dir)] == [0]
+
+
 def test_launch_refuses_bad_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxloop.launch", "--num-processes", "0", "--", *TINY],
