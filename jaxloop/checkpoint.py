@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop.parallel import mesh as shd
 from jaxloop.models.orbax_io import CHECKPOINT_DIR, params_item, write_config
+from jaxloop.parallel import mesh as shd
 from jaxloop.rl.state import TrainState
 
 TRAIN_STATE = "train_state"
@@ -73,6 +73,8 @@ class TrainCheckpointer:
             "update": state.update_count,
             "policy_version": state.version,
             "rng": shd.to_host(state.rng).tolist(),
+            "consecutive_skips": int(state.consecutive_skips),
+            "skipped_updates": int(state.skipped_updates),
         }
         args[TRAIN_STATE] = ocp.args.JsonSave({**counters, **extra})
         self.manager.save(state.update_count, args=ocp.args.Composite(**args), force=True)
@@ -96,6 +98,8 @@ class TrainCheckpointer:
             step=shd.put_global(np.int32(extra.pop("update")), rep),
             policy_version=shd.put_global(np.int32(extra.pop("policy_version")), rep),
             rng=shd.put_global(np.asarray(extra.pop("rng"), np.uint32), rep),
+            consecutive_skips=shd.put_global(np.int32(extra.pop("consecutive_skips", 0)), rep),
+            skipped_updates=shd.put_global(np.int32(extra.pop("skipped_updates", 0)), rep),
         )
         return state, extra
 

@@ -107,6 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.99
     c.optim.grad_clip = 1.0
+    c.optim.max_skipped_updates = 3
 
     c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-3
@@ -234,6 +235,8 @@ DESCRIPTIONS = {
     "optim.b1": "Adam beta1",
     "optim.b2": "Adam beta2",
     "optim.grad_clip": "global gradient-norm clip of actor and critic (0: off)",
+    "optim.max_skipped_updates": "consecutive updates skipped for a non-finite loss or gradient "
+    "norm before the run stops (exit 3)",
     "critic.lr": "critic learning rate (constant)",
     "critic.steps_per_rollout": "critic optimizer steps per rollout batch",
     "critic.loss_scale": "factor of the clipped squared value error (0.5: the 1/2 convention)",

@@ -17,8 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxloop.parallel import distributed
-from jaxloop.parallel import mesh as shd
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import (
     UsageError,
@@ -34,6 +32,8 @@ from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
 from jaxloop.models.hf_io import CheckpointError, abstract_model, read_hf_config
 from jaxloop.models.orbax_io import RunDirError, read_config, restore_model
+from jaxloop.parallel import distributed
+from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
@@ -58,6 +58,10 @@ from jaxloop.summary import completed_update, finish_report
 
 class LogprobMismatchError(RuntimeError):
     """Engine and trainer disagree on the sampled tokens' log-probs beyond the configured bound."""
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """optim.max_skipped_updates updates in a row had a non-finite loss or gradient norm."""
 
 
 # ---- building blocks from the config ----
@@ -267,6 +271,7 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
         seed=cfg.seed,
         data={
             "source": cfg.data.source,
+            "eval_source": cfg.data.eval_source,
             "task": cfg.data.task,
             "num_digits": cfg.data.num_digits,
             "seed": cfg.seed,
@@ -447,6 +452,14 @@ class Trainer:
             self.state, {**device_batch, "old_logprobs": old_lp}
         )
         metrics.update(metrics_to_host(update_metrics))
+        metrics["skipped_updates"] = float(self.state.skipped_updates)
+        in_a_row, limit = int(self.state.consecutive_skips), cfg.optim.max_skipped_updates
+        if in_a_row >= limit:  # nothing of this update is saved: the last checkpoint stays good
+            raise NonFiniteUpdateError(
+                f"update {update}: non-finite loss or gradient norm in {in_a_row} consecutive "
+                f"updates (optim.max_skipped_updates={limit}); nothing was applied since update "
+                f"{update - in_a_row}, last checkpoint: step {self.checkpointer.latest_step()}"
+            )
         metrics["time_update"] = time.perf_counter() - t_update
         t2 = time.perf_counter()
         publish = self.publish()
@@ -563,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
-    except LogprobMismatchError as err:
+    except (LogprobMismatchError, NonFiniteUpdateError) as err:
         print(f"error: {err}", file=sys.stderr)
         _report(cfg, trainer, started)
         return 3

@@ -357,30 +357,35 @@ class Learner:
         old_params = state.actor_params if algo.needs_old_policy_logits else None
 
         def policy_step(carry, part):
-            params, opt_state = carry
+            params, opt_state, ok = carry
             part = dict(part)
             num_samples = jnp.sum(part.pop("sample"))
             micro_loss = self._policy_micro_loss(old_params, num_samples, jnp.sum(part["mask"]))
             grads, loss, sums = _accumulate(micro_loss, params, part)
-            updates, opt_state = self.actor_tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            grad_norm = optax.tree.norm(grads)
+            ok = ok & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = _apply_if(ok, self.actor_tx, grads, params, opt_state)
             step_metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
             step_metrics["policy_loss"] = loss
-            step_metrics["grad_norm"] = optax.tree.norm(grads)
-            return (params, opt_state), step_metrics
+            step_metrics["grad_norm"] = grad_norm
+            return (params, opt_state, ok), step_metrics
 
         # The step loop is unrolled (a handful of steps): a scan would double-buffer its carry,
-        # i.e. hold a second copy of the parameters and optimizer state.
-        carry, per_step = (state.actor_params, state.actor_opt), []
+        # i.e. hold a second copy of the parameters and optimizer state. From the first step
+        # with a non-finite loss or gradient norm on, no step is applied.
+        carry, per_step = (state.actor_params, state.actor_opt, jnp.bool_(True)), []
+        first_ok = None
         for i in range(plan.shape[0]):
             carry, step_metrics = policy_step(carry, {k: v[i] for k, v in parts.items()})
+            first_ok = carry[2] if first_ok is None else first_ok
             per_step.append(step_metrics)
-        actor_params, actor_opt = carry
+        actor_params, actor_opt, actor_ok = carry
         metrics.update(
             {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
         )
 
         critic_params, critic_opt = state.critic_params, state.critic_opt
+        critic_ok = jnp.bool_(True)
         if has_critic:
             cbatch = _split_micro(
                 {
@@ -395,37 +400,54 @@ class Learner:
             micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
 
             def critic_step(carry, _):
-                params, opt_state = carry
+                params, opt_state, ok = carry
                 grads, loss, sums = _accumulate(micro_loss, params, cbatch)
-                updates, opt_state = self.critic_tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
+                ok = ok & jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+                params, opt_state = _apply_if(ok, self.critic_tx, grads, params, opt_state)
                 s, c = sums["vf_clip_frac"]
                 step_metrics = {
                     "value_loss": loss,
                     "vf_clip_frac": s / jnp.maximum(c, 1.0),
                     "critic_grad_norm": optax.tree.norm(grads),
                 }
-                return (params, opt_state), step_metrics
+                return (params, opt_state, ok), step_metrics
 
-            carry = (critic_params, critic_opt)
+            carry = (critic_params, critic_opt, jnp.bool_(True))
             for _ in range(cfg.critic_steps):  # unrolled, as the policy steps
                 carry, critic_metrics = critic_step(carry, None)
-            critic_params, critic_opt = carry
+            critic_params, critic_opt, critic_ok = carry
             metrics.update(critic_metrics)
             metrics["explained_variance"] = _explained_variance(values, returns, mask)
 
+        skipped = ~(actor_ok & critic_ok)
+        metrics["skipped"] = skipped.astype(jnp.float32)
         new_state = state.replace(
             actor_params=actor_params,
             actor_opt=actor_opt,
             critic_params=critic_params,
             critic_opt=critic_opt,
             step=state.step + 1,
-            policy_version=state.policy_version + 1,
+            # the version counts applied policy changes: a skipped update keeps it
+            policy_version=state.policy_version + first_ok.astype(jnp.int32),
+            consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0),
+            skipped_updates=state.skipped_updates + skipped.astype(jnp.int32),
             rng=jax.random.key_data(
                 jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
             ),
         )
         return new_state, metrics
+
+
+def _apply_if(ok, tx, grads, params, opt_state):
+    """One optimizer step when `ok`, else params and state unchanged (a cond, not a select:
+    no second copy of either)."""
+
+    def apply(operands):
+        grads, params, opt_state = operands
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.lax.cond(ok, apply, lambda ops: (ops[1], ops[2]), (grads, params, opt_state))
 
 
 def _explained_variance(values, returns, mask):

@@ -79,6 +79,8 @@ class LossHParams:
       others keep the UNclamped weight (the min/max clamp is then not used).
     flow_delta: Flow-DPPO trust-region threshold on D_t.
     value_clip: critic value clip range (None disables).
+    value_loss_scale: factor of the value loss (``value_loss(scale=...)``; 1 = the reference
+      stack's loss, 0.5 = the 1/2-squared-error convention).
     reduction: 'seq_mean_token_mean' | 'token_mean' (see ``reduce_loss``).
     """
 
@@ -93,8 +95,11 @@ class LossHParams:
     flow_delta: float = 0.01
     value_clip: float | None = 0.2
     reduction: str = "seq_mean_token_mean"
+    value_loss_scale: float = 1.0
 
     def __post_init__(self):
+        if not self.value_loss_scale > 0:
+            raise ValueError(f"value_loss_scale must be > 0, got {self.value_loss_scale}")
         if not self.clip_eps > 0:
             raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
@@ -297,22 +302,25 @@ def value_loss(
     returns: jax.Array,
     mask: jax.Array,
     clip: float | None,
+    scale: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped value loss per token: 0.5 * max((V_clip - R)^2, (V - R)^2) with
-    V_clip = V_old + clip(V - V_old, -clip, +clip) (``clip=None``: 0.5 (V - R)^2). Zero off the
-    mask. Metrics: 'vf_clip_frac' (1 where the clipped branch is the larger), 'vf_error' (V - R)."""
+    """Clipped value loss per token: scale * max((V_clip - R)^2, (V - R)^2) with
+    V_clip = V_old + clip(V - V_old, -clip, +clip) (``clip=None``: scale * (V - R)^2). The
+    default scale 1 is the reference stack's loss (no 1/2); critic.loss_scale=0.5 gives the
+    1/2-squared-error convention. Zero off the mask. Metrics: 'vf_clip_frac' (1 where the clipped
+    branch is the larger), 'vf_error' (V - R)."""
     m = mask > 0
     v = jnp.where(m, _f32(values), 0.0)
     v_old = jnp.where(m, _f32(old_values), 0.0)
     ret = jnp.where(m, _f32(returns), 0.0)
     err = jnp.square(v - ret)
     if clip is None:
-        loss = 0.5 * err
+        loss = scale * err
         clipped = jnp.zeros_like(err)
     else:
         v_clip = v_old + jnp.clip(v - v_old, -clip, clip)
         err_clip = jnp.square(v_clip - ret)
-        loss = 0.5 * jnp.maximum(err_clip, err)
+        loss = scale * jnp.maximum(err_clip, err)
         clipped = (err_clip > err).astype(jnp.float32)
     loss = jnp.where(m, loss, 0.0)
     return loss, {"vf_clip_frac": clipped, "vf_error": v - ret}

@@ -34,6 +34,8 @@ class TrainState:
     step: jax.Array = None  # int32 []: finished updates
     policy_version: jax.Array = None  # int32 []: version of actor_params
     rng: jax.Array = None  # uint32 [2]: key data, advanced once per update
+    consecutive_skips: jax.Array = None  # int32 []: updates skipped in a row (non-finite)
+    skipped_updates: jax.Array = None  # int32 []: updates skipped in all
 
     @property
     def version(self) -> int:
@@ -82,6 +84,8 @@ def state_shardings(
         step=rep,
         policy_version=rep,
         rng=rep,
+        consecutive_skips=rep,
+        skipped_updates=rep,
     )
 
 
@@ -112,6 +116,8 @@ def abstract_train_state(
         step=scalar,
         policy_version=scalar,
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        consecutive_skips=scalar,
+        skipped_updates=scalar,
     )
 
 
@@ -148,9 +154,11 @@ def build_train_state(
             jnp.zeros((), jnp.int32),
             jnp.zeros((), jnp.int32),
             jax.random.key_data(jax.random.key(seed)),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
         ),
         out_shardings=None
         if shardings is None
-        else (shardings.step, shardings.policy_version, shardings.rng),
+        else (shardings.step,) * 2 + (shardings.rng,) + (shardings.step,) * 2,
     )()
     return TrainState(actor_params, actor_opt, critic_params, critic_opt, ref, *counters)

@@ -127,3 +127,25 @@ def test_update_advances_counters_and_donates_state():
     assert run.state.update_count == 1 and run.state.version == 1
     # the old state's buffers were donated to the update: no second copy survives it
     assert jax.tree.leaves(before.actor_params)[0].is_deleted()
+
+
+def test_kl_coef_enters_critic_algorithms_rewards():
+    """algo.kl_coef > 0 for PPO / DPPO / Flow-DPPO: token rewards -kl_coef * (log pi_old -
+    log pi_ref) (the reference stack's form) change the returns the critic fits and the
+    advantages; with kl_coef = 0 the reference is not used at all. (The three algorithms share
+    the registered 'gae' estimator; PPO stands for them.)"""
+    arrays = _arrays()
+    for name in ("ppo",):
+        plain, kl = _Run(name, 8, 0.0), _Run(name, 8, 0.5)
+        assert plain.state.ref_params is None and kl.state.ref_params is not None
+        m_plain, m_kl = plain.update(arrays), kl.update(arrays)
+        assert (
+            abs(m_plain["advantage_mean"] - m_kl["advantage_mean"]) > 0
+            or abs(m_plain["value_loss"] - m_kl["value_loss"]) > 1e-6
+        ), name
+        diff = jax.tree.map(
+            lambda a, b: float(jnp.abs(a - b).max()),
+            plain.state.critic_params,
+            kl.state.critic_params,
+        )
+        assert max(jax.tree.leaves(diff)) > 1e-6, name
