@@ -7,8 +7,8 @@ never training prompts, whatever the seed.
 
 Variants (prompt -> label), with num_digits=4:
 
-- 'copy_last':  "7294:" -> "4"  (default: previous-token attention is the easiest pattern)
-- 'copy_first': "7294:" -> "7"
+- 'copy_first': "7294:" -> "7"  (default, also of the config's data.task)
+- 'copy_last':  "7294:" -> "4"  (previous-token attention: the easiest pattern)
 - 'max_digit':  "7294:" -> "9"
 - 'min_digit':  "7294:" -> "2"
 - 'sum_mod10':  "3+5="  -> "8"  (always two digits; num_digits is ignored)
@@ -26,7 +26,7 @@ from jaxloop.data.datasets import Example
 __all__ = ["DEFAULT_TASK", "EVAL_FRACTION", "SPLITS", "TASKS", "BuiltinTask", "prompt_split"]
 
 TASKS = ("copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10")
-DEFAULT_TASK = "copy_last"
+DEFAULT_TASK = "copy_first"  # the default job's task (jaxloop.config takes it from here)
 SPLITS = ("train", "eval")
 EVAL_FRACTION = 10  # 1 prompt in EVAL_FRACTION is held out for eval
 _ENUMERATE_MAX = 100_000  # prompt spaces up to this size are enumerated for eval_examples

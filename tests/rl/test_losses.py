@@ -154,6 +154,30 @@ def test_decoupled_ppo_weights_clamp_and_drop_cap():
     np.testing.assert_allclose(g, -w * a, rtol=TOL)
 
 
+@pytest.mark.parametrize("drop_cap", [None, 2.5])
+def test_decoupled_ppo_no_gradient_through_behaviour_logprobs(drop_cap):
+    """The behaviour weight exp(prox - behav) is a constant of the loss: d loss / d behav = 0
+    exactly, while d loss / d lp is live. The weights are inside the clamp / under the cap, where
+    a weight that were not stopped would carry a gradient -w * loss per token."""
+    rng = np.random.default_rng(3)
+    prox = rng.normal(-2, 0.3, size=(2, 5)).astype(np.float32)
+    behav = (prox - rng.uniform(-0.4, 0.4, size=prox.shape)).astype(np.float32)  # w in (0.67, 1.5)
+    lp = (prox + rng.normal(0, 0.1, size=prox.shape)).astype(np.float32)
+    a = rng.normal(size=prox.shape).astype(np.float32)
+    hp = LossHParams(behav_drop_cap=drop_cap)
+
+    def total(lp, behav):
+        loss, _ = POLICY_LOSSES["decoupled_ppo"](_inputs(lp, prox, a, behav=behav), hp)
+        return loss.sum()
+
+    g_lp, g_behav = jax.grad(total, argnums=(0, 1))(jnp.asarray(lp), jnp.asarray(behav))
+    assert np.all(np.asarray(g_behav) == 0.0)
+    assert np.all(np.abs(np.asarray(g_lp)) > 0)
+    # the check has power: with the weight not stopped, d(w * l)/d behav = -w * l = -loss
+    loss, _ = POLICY_LOSSES["decoupled_ppo"](_inputs(lp, prox, a, behav=behav), hp)
+    assert np.all(np.asarray(loss) != 0.0)
+
+
 def test_decoupled_ppo_ratio_is_vs_proximal():
     # lp - prox = log 1.5 (clipped at 1.2 for A>0); behaviour weight 1.25 within the clamp
     prox = np.array([[-1.0]])
@@ -231,6 +255,29 @@ def test_flow_dppo_blocking_and_gradient():
         POLICY_LOSSES["flow_dppo"](_inputs(lp, old, a), hp)
 
 
+def test_flow_dppo_blocks_only_strictly_above_delta():
+    """blocked = outward & (D > delta), strictly: D exactly at delta keeps its gradient, the next
+    float32 above it is blocked (delta 0.25 is exact in float32)."""
+    delta = 0.25
+    above = float(np.nextafter(np.float32(delta), np.float32(1.0)))
+    below = float(np.nextafter(np.float32(delta), np.float32(0.0)))
+    # all outward (A > 0, r > 1): only D decides
+    a = np.array([[1.0, 1.0, 1.0]])
+    r = np.array([[1.3, 1.3, 1.3]])
+    d = jnp.asarray([[below, delta, above]], jnp.float32)
+    assert float(d[0, 1]) == delta and float(d[0, 2]) > delta
+    old = np.full_like(a, -1.0)
+    hp = LossHParams(flow_delta=delta)
+
+    def total(lp):
+        loss, m = POLICY_LOSSES["flow_dppo"](_inputs(lp, old, a, old_kl=d), hp)
+        return loss.sum(), m
+
+    (_, m), g = jax.value_and_grad(total, has_aux=True)(jnp.asarray(old + np.log(r), jnp.float32))
+    np.testing.assert_array_equal(m["blocked_frac"], [[0, 0, 1]])
+    np.testing.assert_allclose(g, [[-1.3, -1.3, 0.0]], rtol=TOL)
+
+
 @pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
 def test_flow_dppo_identical_policies_live_gradient(reduction):
     """pi_theta == pi_old: D = 0 and the gradient is the plain policy gradient -A / normaliser."""
@@ -267,11 +314,24 @@ def test_value_loss_hand():
     ret = np.array([[2.0, 2.0, 0.0, 3.0]])
     mask = np.array([[1, 1, 1, 0]], np.float32)
     loss, m = value_loss(v, v_old, ret, mask, 0.2)
-    # V_clip = 1.2, 1.1, 0.8, (1.2): 0.5*max(.64,.25), 0.5*.81, 0.5*max(.64,.25), masked
-    np.testing.assert_allclose(loss, [[0.32, 0.405, 0.32, 0.0]], rtol=TOL)
+    # V_clip = 1.2, 1.1, 0.8, (1.2): max(.64,.25), .81, max(.64,.25), masked; no 1/2 (the
+    # reference stack's loss)
+    np.testing.assert_allclose(loss, [[0.64, 0.81, 0.64, 0.0]], rtol=TOL)
     np.testing.assert_array_equal(m["vf_clip_frac"], [[1, 0, 1, 0]])
+    np.testing.assert_allclose(m["vf_error"][:, :3], [[-0.5, -0.9, 0.5]], rtol=TOL)
     loss, _ = value_loss(v, v_old, ret, mask, None)
+    np.testing.assert_allclose(loss, [[0.25, 0.81, 0.25, 0.0]], rtol=TOL)
+    # critic.loss_scale: 0.5 is the 1/2-squared-error convention
+    loss, _ = value_loss(v, v_old, ret, mask, 0.2, scale=0.5)
+    np.testing.assert_allclose(loss, [[0.32, 0.405, 0.32, 0.0]], rtol=TOL)
+    loss, _ = value_loss(v, v_old, ret, mask, None, scale=0.5)
     np.testing.assert_allclose(loss, [[0.125, 0.405, 0.125, 0.0]], rtol=TOL)
+    # the gradient of the default: 2 (V - R) on the unclipped branch, 0 where the clip is active
+    g = jax.grad(lambda x: value_loss(x, v_old, ret, mask, 0.2)[0].sum())(jnp.asarray(v))
+    np.testing.assert_allclose(g, [[0.0, -1.8, 0.0, 0.0]], rtol=TOL, atol=1e-7)
+    assert LossHParams().value_loss_scale == 1.0
+    with pytest.raises(ValueError, match="value_loss_scale"):
+        LossHParams(value_loss_scale=0.0)
 
 
 # --------------------------------------------------------------------------- reduction
@@ -338,17 +398,52 @@ def test_reduce_loss_micro_batch_invariance(loss_name, reduction):
         np.testing.assert_allclose(results[mb][0], results[8][0], atol=1e-6, rtol=0)
         np.testing.assert_allclose(results[mb][1], results[8][1], atol=1e-6, rtol=0)
     assert np.any(np.abs(results[8][1]) > 1e-3)  # the gradient is live
-    # independent numpy value of the full-batch loss (ppo)
-    if loss_name == "ppo":
-        lp = base + 0.3 * feat - 0.2 * feat**2
-        r = np.exp(lp.astype(np.float64) - old)
-        lt = np.maximum(-r * adv, -np.clip(r, 0.8, 1.2) * adv)
-        lt = np.where(adv < 0, np.minimum(lt, -3.0 * adv), lt) * mask
-        if reduction == "token_mean":
-            ref_val = lt.sum() / mask.sum()
-        else:
-            ref_val = (lt.sum(1) / np.maximum(mask.sum(1), 1)).sum() / b
-        np.testing.assert_allclose(results[8][0], ref_val, rtol=1e-5)
+    # independent numpy value and gradient of the full-batch loss, for every algorithm
+    lp = (base + 0.3 * feat - 0.2 * feat**2).astype(np.float64)
+    per_token, dloss_dlp = _numpy_policy_loss(loss_name, lp, old, behav, ref, adv, old_kl, hp)
+    weights = _numpy_reduction_weights(mask, reduction, n_samples, n_tokens)
+    np.testing.assert_allclose(results[8][0], np.sum(per_token * weights), rtol=1e-5, atol=1e-7)
+    dlp_dtheta = np.stack([feat, feat**2], axis=-1)
+    grad = np.einsum("bt,btk->k", dloss_dlp * weights, dlp_dtheta)
+    np.testing.assert_allclose(results[8][1], grad, rtol=1e-4, atol=1e-6)
+
+
+def _numpy_reduction_weights(mask, reduction, n_samples, n_tokens):
+    """Per-token weight of reduce_loss: 1 / n_tokens, or 1 / (len_i * n_samples); 0 off mask."""
+    if reduction == "token_mean":
+        return mask / n_tokens
+    return mask / (np.maximum(mask.sum(1, keepdims=True), 1) * n_samples)
+
+
+def _numpy_policy_loss(name, lp, old, behav, ref, adv, old_kl, hp):
+    """(per-token loss, d loss / d lp) in float64 from the papers' formulas, independent of
+    jaxloop.rl.losses (for the hyper-parameters of the invariance test: k3, dual clip)."""
+    r = np.exp(lp - old)
+    lo, hi = 1.0 - hp.clip_eps, 1.0 + hp.eps_high
+    unclipped, clipped = -adv * r, -adv * np.clip(r, lo, hi)
+    surrogate = np.maximum(unclipped, clipped)
+    # the unclipped branch carries the gradient where it is the max (or r is inside the range)
+    grad = np.where((unclipped >= clipped) | ((r >= lo) & (r <= hi)), -adv * r, 0.0)
+    cap = -hp.dual_clip * adv
+    capped = (adv < 0) & (surrogate > cap)
+    surrogate, grad = np.where(capped, cap, surrogate), np.where(capped, 0.0, grad)
+    if name == "ppo":
+        return surrogate, grad
+    if name == "grpo":  # + kl_coef * k3(lp, ref), k3 = exp(ref - lp) - (ref - lp) - 1
+        d = lp - ref
+        return (
+            surrogate + hp.kl_coef * (np.exp(-d) + d - 1),
+            grad + hp.kl_coef * (1 - np.exp(-d)),
+        )
+    if name == "decoupled_ppo":  # constant behaviour weight, ratio against the proximal policy
+        w = np.clip(np.exp(old - behav), hp.behav_weight_min, hp.behav_weight_max)
+        return w * surrogate, w * grad
+    if name == "flow_dppo":  # -A r unclipped; outward tokens with D > delta carry no gradient
+        outward = ((adv > 0) & (r > 1)) | ((adv < 0) & (r < 1))
+        blocked = outward & (old_kl > hp.flow_delta)
+        assert 0 < blocked.sum() < blocked.size  # both kinds of token are in the batch
+        return -adv * r, np.where(blocked, 0.0, -adv * r)
+    raise AssertionError(name)
 
 
 # --------------------------------------------------------------------------- robustness / jit
