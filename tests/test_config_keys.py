@@ -32,6 +32,15 @@ def test_every_key_has_a_description_and_none_is_stale():
     assert sections == set(SECTIONS), "SECTIONS must describe exactly the config's sections"
 
 
+def test_one_default_task():
+    from jaxloop.data.datasets import make_source
+    from jaxloop.data.tasks import DEFAULT_TASK, BuiltinTask
+
+    assert KEYS["data.task"] == DEFAULT_TASK == BuiltinTask().name == "copy_first"
+    # a data config without a task gets the same one
+    assert make_source({"source": "builtin"}).state()["task"] == KEYS["data.task"]
+
+
 def test_flat_items_is_in_definition_order():
     keys = list(KEYS)
     assert keys[:3] == ["run_dir", "seed", "algorithm"]

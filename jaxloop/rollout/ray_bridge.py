@@ -16,7 +16,9 @@
   `generate_timeout_s` (`rollout.engine_timeout_s`: alive but hung), is killed, restarted in its
   placement-group bundle, receives the committed policy again (the manager keeps the committed
   chunks) and its part is regenerated: per-request seeds make the regenerated samples the same.
-  Health checks are bounded by `health_timeout_s`. `stats()` reports `engine_restarts`.
+  A publication is bounded the same way (`publish_timeout_s`, `rollout.publish_timeout_s`): an
+  engine that hangs inside it is restarted on the committed policy and the publication is sent
+  again. Health checks are bounded by `health_timeout_s`. `stats()` reports `engine_restarts`.
 - `RolloutManager`: holds the `RolloutProducer` (data cursor, seeds, rewards) whose engine is the
   group; produce / evaluate / state / restore run there.
 - `RayRolloutClient`: what train.py uses for `rollout.engine=vllm`. Starts a local Ray cluster or
@@ -203,6 +205,7 @@ class EngineActor:
         configure_actor_logging(spec.log_level)
         self._delay = 0.0
         self._health_delay = 0.0
+        self._publish_delay = 0.0
         self._marker_dir = ""
         self._log_config: str | None = None
         if spec.kind == "jax":
@@ -262,6 +265,8 @@ class EngineActor:
         digest: str | None = None,
     ) -> PublishStats:
         """One publication transaction; refusal -> PublicationError, previous version kept."""
+        if self._publish_delay > 0:
+            time.sleep(self._publish_delay)
         start = time.perf_counter()
         m = Manifest.from_dict(manifest)
         count = m.count if count is None else count
@@ -291,13 +296,18 @@ class EngineActor:
         return self.engine.generate(requests, sampling)
 
     def set_debug(
-        self, generate_delay_s: float = 0.0, marker_dir: str = "", health_delay_s: float = 0.0
+        self,
+        generate_delay_s: float = 0.0,
+        marker_dir: str = "",
+        health_delay_s: float = 0.0,
+        publish_delay_s: float = 0.0,
     ) -> None:
-        """Test hook: sleep before each generate (or health reply), and touch
+        """Test hook: sleep before each generate (or health reply, or publication), and touch
         `marker_dir/generate-<pid>` when a generate call starts (so a test can kill the engine
         while it is generating, or let it hang past the group's timeout)."""
         self._delay = float(generate_delay_s)
         self._health_delay = float(health_delay_s)
+        self._publish_delay = float(publish_delay_s)
         self._marker_dir = marker_dir
 
     def close(self) -> None:
@@ -323,6 +333,8 @@ class EngineGroup:
 
     generate_timeout_s: seconds an engine may take to answer its part of a generate call (None: no
     limit); an engine over it is treated as dead (killed, restarted, its part regenerated).
+    publish_timeout_s: the same for a publication (the restarted engine gets the committed policy,
+    then the publication again).
     health_timeout_s: the same for a health check. ready_timeout_s: placement group, engine start
     and the committed policy's re-delivery to a restarted engine.
     """
@@ -335,6 +347,7 @@ class EngineGroup:
         *,
         max_restarts_per_call: int = 3,
         generate_timeout_s: float | None = 600.0,
+        publish_timeout_s: float | None = 600.0,
         health_timeout_s: float = 120.0,
         ready_timeout_s: float = 1800.0,
     ):
@@ -344,6 +357,7 @@ class EngineGroup:
         self.bundle = dict(bundle)
         self.max_restarts_per_call = max_restarts_per_call
         self.generate_timeout_s = generate_timeout_s
+        self.publish_timeout_s = publish_timeout_s
         self.health_timeout_s = health_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
@@ -528,7 +542,11 @@ class EngineGroup:
         if transport not in TRANSPORTS:
             raise PublicationError(f"transport={transport!r}; expected one of {TRANSPORTS}")
         args = (manifest, chunks, transport, count, digest)
-        results = self._run(lambda i, h: h.publish.remote(*args), range(len(self.handles)))
+        results = self._run(
+            lambda i, h: h.publish.remote(*args),
+            range(len(self.handles)),
+            timeout_s=self.publish_timeout_s,
+        )
         errors = {i: r for i, r in results.items() if isinstance(r, BaseException)}
         if errors:
             for i in sorted(set(results) - set(errors)):
@@ -586,14 +604,24 @@ class EngineGroup:
         ray.get(self.handles[index].set_debug.remote(**kwargs))
 
     def set_timeouts(
-        self, generate_s: float | None = None, health_s: float | None = None
+        self,
+        generate_s: float | None = None,
+        health_s: float | None = None,
+        publish_s: float | None = None,
     ) -> dict[str, float | None]:
-        """Change the generate / health timeouts (None: unchanged); returns the previous ones."""
-        old = {"generate_s": self.generate_timeout_s, "health_s": self.health_timeout_s}
+        """Change the generate / health / publish timeouts (None: unchanged); returns the previous
+        ones."""
+        old = {
+            "generate_s": self.generate_timeout_s,
+            "health_s": self.health_timeout_s,
+            "publish_s": self.publish_timeout_s,
+        }
         if generate_s is not None:
             self.generate_timeout_s = float(generate_s)
         if health_s is not None:
             self.health_timeout_s = float(health_s)
+        if publish_s is not None:
+            self.publish_timeout_s = float(publish_s)
         return old
 
     def close(self) -> None:
@@ -625,6 +653,7 @@ class RolloutManager:
         num_engines: int,
         bundle: dict[str, float],
         engine_timeout_s: float = 600.0,
+        publish_timeout_s: float = 600.0,
     ):
         from jaxloop.rollout.producer import RolloutProducer
 
@@ -636,6 +665,7 @@ class RolloutManager:
             num_engines,
             bundle,
             generate_timeout_s=engine_timeout_s,
+            publish_timeout_s=publish_timeout_s,
             health_timeout_s=min(120.0, engine_timeout_s),
         )
         self.producer = RolloutProducer(settings, self.group)
@@ -741,7 +771,12 @@ class RayRolloutClient:
             spec, bundle = self._engine_spec(cfg, actor_model, settings)
             start = time.perf_counter()
             self.manager = RolloutManager.options(num_cpus=0, runtime_env=self._runtime_env).remote(
-                settings, spec, r.num_engines, bundle, engine_timeout_s=float(r.engine_timeout_s)
+                settings,
+                spec,
+                r.num_engines,
+                bundle,
+                engine_timeout_s=float(r.engine_timeout_s),
+                publish_timeout_s=float(r.publish_timeout_s),
             )
             info = ray.get(self.manager.info.remote())
             self.timings["manager_start_s"] = time.perf_counter() - start

@@ -331,6 +331,38 @@ def test_hung_engine_is_killed_and_restarted(bridge, tmp_path):
         ray.get(client.manager.set_timeouts.remote(**old))
 
 
+def test_hung_publication_is_killed_and_restarted(bridge):
+    """An engine alive but stuck inside a publication past the group's publish timeout
+    (rollout.publish_timeout_s) is handled like a dead one: killed, restarted on the committed
+    policy, the publication sent again; it commits on every engine and the run goes on."""
+    client = bridge.client
+    bridge.serve("A")
+    cursor = client.state()
+    restarts = client.stats()["engine_restarts"]
+    pid = client.health()[1]["pid"]
+    timeout = 15.0  # far above a publication of this model (~0.1 s), far below the hang
+    old = ray.get(client.manager.set_timeouts.remote(publish_s=timeout))
+    try:
+        ray.get(client.manager.set_debug.remote(1, publish_delay_s=600.0))
+        start = time.perf_counter()
+        bridge.serve("B")
+        elapsed = time.perf_counter() - start
+        TIMINGS["hung_publish_restart_s"] = elapsed
+        served = bridge.next_version - 1
+        assert timeout <= elapsed < timeout + 60  # it waited for the timeout, not for the hang
+        assert client.stats()["engine_restarts"] == restarts + 1
+        assert client.version == served
+        health = client.health()
+        assert health[1]["pid"] != pid and not any(h["restarted"] for h in health)
+        assert [h["version"] for h in health] == [served, served]
+        client.restore(cursor)
+        samples, _ = client.produce(5)
+        assert_same_samples(samples, bridge.reference_produce("B", cursor, 5)[0])
+        assert all(s.policy_version == served for s in samples)
+    finally:
+        ray.get(client.manager.set_timeouts.remote(**old))
+
+
 def test_publish_bandwidth_is_reported(bridge):
     stats = bridge.serve("B")
     assert stats.num_bytes == sum(

@@ -34,6 +34,12 @@ def _run_main(capsys, *argv):
         (["--config", "ppo.py", "--config.data.task=nope"], "unknown builtin task"),
         (["--config", "ppo.py", "--config.data.reward=nope"], "unknown reward"),
         (["--config", "ppo.py", "--config.optim.schedule=nope"], "optim.schedule"),
+        # filtered sampling would bias every ratio: refused for training rollouts
+        (["--config", "ppo.py", "--config.rollout.top_p=0.9"], "rollout.top_p=0.9"),
+        (["--config", "grpo.py", "--config.rollout.top_k=5"], "rollout.top_k=5"),
+        (["--config", "ppo.py", "--config.rollout.publish_timeout_s=0"], "publish_timeout_s must"),
+        (["--config", "ppo.py", "--config.data.eval_source=/no/such.jsonl"], "eval_source"),
+        (["--config", "ppo.py", "--config.critic.loss_scale=0"], "critic.loss_scale must"),
     ],
 )
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry_run"])
@@ -223,6 +229,23 @@ def test_jsonl_prompts_hf_tokenizer_math_reward(tmp_path):
     )
     assert len(metrics) == 2 and metrics[0]["num_samples"] == 8
     assert metrics[0]["eval_reward"] is None  # a file source without eval_source has no eval
+
+
+def test_eval_source_evaluates_a_file_source(tmp_path):
+    """data.eval_source: held-out prompts from a file for a file data.source (no eval without)."""
+    rows = [{"prompt": f"{n:04d}:", "label": str(n)[0]} for n in range(1000, 1040)]
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:32]))
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows[32:]))
+    metrics = run_train(
+        tmp_path / "run",
+        "grpo.py",
+        "--config.total_updates=1",
+        *TINY,
+        f"--config.data.source={train}",
+        f"--config.data.eval_source={held_out}",
+    )
+    assert 0.0 <= metrics[0]["eval_reward"] <= 1.0 and "final_eval_reward" in metrics[0]
 
 
 def test_logprob_mismatch_stops_the_run(tmp_path, capsys):
