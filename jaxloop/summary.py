@@ -67,7 +67,7 @@ def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tup
     recent = _values(rows[-LAST_N:], "reward_mean")
     speed = _values(mine, "tokens_per_s")
     restarts = _values(mine, "engine_restarts")  # a running count per process
-    skipped = _values(mine, "skipped_updates")  # a running count per process (0 when absent)
+    skipped = _values(mine, "skipped_updates")  # the run's running count (0 when absent)
     first = mine[0]["update"] if mine else start_update
     last = mine[-1]["update"] + 1 if mine else start_update
     return [
