@@ -69,6 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"
     c.model.remat = "none"
     c.model.attention_impl = "xla"
+    c.model.logits_chunk = 0
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "builtin"  # or a JSONL / Parquet file of {prompt, label}
@@ -202,6 +203,8 @@ DESCRIPTIONS = {
     "model.compute_dtype": "compute dtype: float32 | bfloat16",
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
+    "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
+    "sequence); bounds the [B, chunk, V] logits held at once",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
     "data.eval_source": "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; "
     "empty: the built-in task's held-out split (a file data.source then has no evaluation)",

@@ -212,6 +212,7 @@ class Training:
             temperature=cfg.rollout.temperature,
             updates_per_rollout=steps,
             critic_steps=cfg.critic.steps_per_rollout,
+            logits_chunk=cfg.model.logits_chunk,
             advantage=AdvantageHParams(
                 gamma=cfg.algo.gamma,
                 lam=cfg.algo.lam,

@@ -111,7 +111,10 @@ class LoopedLM(nnx.Module):
         cache: KVCache | None = None,
         return_loops: bool = False,
         logits_slice: slice | None = None,
+        head: bool = True,
     ) -> ModelOutput:
+        """head=False: no LM-head projection (logits None; callers that project the hidden
+        states themselves, chunk by chunk, never hold [B, S, V])."""
         return looped_forward(
             self,
             input_ids,
@@ -120,6 +123,7 @@ class LoopedLM(nnx.Module):
             cache=cache,
             return_loops=return_loops,
             logits_slice=logits_slice,
+            head=head,
         )
 
 
@@ -131,12 +135,14 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
 
-def _block_weights(blocks: Blocks, dtype) -> dict[str, jax.Array]:
+def _block_weights(blocks: Blocks) -> dict[str, jax.Array]:
+    """The stacked layer weights in the parameter dtype: each layer's slice is cast to the
+    compute dtype inside the layer scan, so no compute-dtype copy of the whole stack exists."""
     names = ["input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attn_norm"]
     names += ["gate_proj", "up_proj", "down_proj"]
     if hasattr(blocks, "attn_out_norm"):
         names += ["attn_out_norm", "mlp_out_norm"]
-    return {n: getattr(blocks, n)[...].astype(dtype) for n in names}
+    return {n: getattr(blocks, n)[...] for n in names}
 
 
 def looped_forward(
@@ -148,6 +154,7 @@ def looped_forward(
     cache: KVCache | None = None,
     return_loops: bool = False,
     logits_slice: slice | None = None,
+    head: bool = True,
 ) -> ModelOutput:
     cfg = model.config
     cdt = jnp.dtype(cfg.compute_dtype)
@@ -166,7 +173,7 @@ def looped_forward(
     positions = positions.astype(jnp.int32)
 
     cos, sin = L.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    weights = _block_weights(model.blocks, cdt)
+    weights = _block_weights(model.blocks)
     final_norm = model.final_norm[...].astype(cdt)
 
     if cache is None:
@@ -183,6 +190,7 @@ def looped_forward(
         use_cudnn = False
 
     def layer(h, w, kv_slot):
+        w = {name: x.astype(cdt) for name, x in w.items()}
         x = L.rms_norm(h, w["input_norm"], eps)
         q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
         k = jnp.einsum("bse,ehd->bshd", x, w["k_proj"])
@@ -252,13 +260,13 @@ def looped_forward(
 
     hidden = h if logits_slice is None else h[:, logits_slice]
     logits = values = loop_logits = exit_probs = None
-    if model.role == "actor":
+    if model.role == "actor" and head:
         lm_head = model.lm_head[...].astype(cdt)
-        logits = constrain(_project(hidden, lm_head), LOGITS_AXES)
+        logits = project(hidden, lm_head)
         if return_loops:
             lh = loop_hidden if logits_slice is None else loop_hidden[:, :, logits_slice]
-            loop_logits = jax.vmap(lambda x: _project(x, lm_head))(lh)
-    else:
+            loop_logits = jax.vmap(lambda x: project(x, lm_head))(lh)
+    elif model.role == "critic":
         vh = model.value_head[...].astype(cdt)
         values = jnp.einsum("bse,e->bs", hidden, vh, preferred_element_type=jnp.float32)
         values = values + model.value_bias[...].astype(jnp.float32)
@@ -267,8 +275,10 @@ def looped_forward(
     return ModelOutput(logits, values, hidden, loop_logits, exit_probs, new_cache)
 
 
-def _project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
-    return jnp.einsum("bse,ev->bsv", hidden, lm_head, preferred_element_type=jnp.float32)
+def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
+    """float32 logits [B, S, V] of LM-head inputs [B, S, E] (lm_head in the compute dtype)."""
+    logits = jnp.einsum("bse,ev->bsv", hidden, lm_head, preferred_element_type=jnp.float32)
+    return constrain(logits, LOGITS_AXES)
 
 
 def exit_distribution(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxloop.models.looped import project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl import advantages as adv_lib
 from jaxloop.rl.algorithms import Algorithm
@@ -77,20 +78,66 @@ def make_optimizer(
 
 
 # ---- pure model functions (jit-friendly) ----
-def forward_logprobs(graphdef, params, tokens, attention_mask, temperature):
-    """Selected-token log-probs of log_softmax(logits / T) at every target position, the scaled
-    logits (only materialised inside jit, per micro-batch) and the LM-head input hidden states."""
+def token_logprobs(graphdef, params, tokens, attention_mask, temperature):
+    """Selected-token log-probs of log_softmax(logits / T) at every target position and the
+    scaled logits, whole: the plain reference form of `actor_token_stats`."""
     model = nnx.merge(graphdef, params)
     out = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1])
     logits = out.logits / temperature
     logp = jax.nn.log_softmax(logits, axis=-1)
-    lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return lp, logits, out.hidden
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], logits
 
 
-def token_logprobs(graphdef, params, tokens, attention_mask, temperature):
-    lp, logits, _ = forward_logprobs(graphdef, params, tokens, attention_mask, temperature)
-    return lp, logits
+def actor_token_stats(
+    graphdef, params, tokens, attention_mask, temperature, chunk: int = 0, old_params=None
+):
+    """Per target position of `tokens`: the selected token's log-prob under log_softmax(logits /
+    T), the entropy of that distribution and, with `old_params`, Flow-DPPO's exact full-vocabulary
+    D_t = KL(pi_old || pi); plus the LM-head input hidden states [B, T, E].
+
+    chunk > 0: the LM head is applied to `chunk` positions at a time under remat, so only one
+    chunk's [B, chunk, V] logits exist at once, in the forward and in the backward pass (the
+    gradient recomputes them); chunk = 0 (or >= T): the whole sequence at once."""
+    model = nnx.merge(graphdef, params)
+    out = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1], head=False)
+    cdt = jnp.dtype(model.config.compute_dtype)
+    lm_head = model.lm_head[...].astype(cdt)
+    old_hidden = old_head = None
+    if old_params is not None:
+        old = nnx.merge(graphdef, old_params)
+        hidden = old.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1], head=False)
+        old_hidden = jax.lax.stop_gradient(hidden.hidden)
+        old_head = jax.lax.stop_gradient(old.lm_head[...].astype(cdt))
+    targets = tokens[:, 1:]
+
+    def stats(h, t, oh):
+        logits = project(h, lm_head) / temperature
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        selected = jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        kl = None if oh is None else categorical_kl(project(oh, old_head) / temperature, logits)
+        return selected, entropy, kl
+
+    length = out.hidden.shape[1]
+    if chunk <= 0 or chunk >= length:
+        selected, entropy, kl = stats(out.hidden, targets, old_hidden)
+    else:
+        n = -(-length // chunk)
+
+        def split(x):  # [B, T, ...] -> [n, B, chunk, ...], zero-padded at the end
+            if x is None:
+                return None
+            pad = [(0, 0), (0, n * chunk - length)] + [(0, 0)] * (x.ndim - 2)
+            x = jnp.pad(x, pad).reshape((x.shape[0], n, chunk) + x.shape[2:])
+            return jnp.moveaxis(x, 1, 0)
+
+        def merge(x):  # [n, B, chunk] -> [B, T]
+            return None if x is None else jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :length]
+
+        one = jax.checkpoint(lambda xs: stats(*xs))
+        chunks = jax.lax.map(one, (split(out.hidden), split(targets), split(old_hidden)))
+        selected, entropy, kl = (merge(x) for x in chunks)
+    return selected, entropy, kl, out.hidden
 
 
 def token_values(graphdef, params, tokens, attention_mask):
@@ -161,6 +208,7 @@ class LearnerConfig:
     updates_per_rollout: int
     critic_steps: int
     advantage: adv_lib.AdvantageHParams = adv_lib.AdvantageHParams()
+    logits_chunk: int = 0  # positions per LM-head chunk (0: the whole sequence)
 
 
 class Learner:
@@ -243,16 +291,23 @@ class Learner:
         )[1]
         return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:n], out)
 
+    def _token_stats(self, params, tokens, attention_mask, old_params=None):
+        return actor_token_stats(
+            self.actor_graphdef,
+            params,
+            tokens,
+            attention_mask,
+            self.cfg.temperature,
+            self.cfg.logits_chunk,
+            old_params,
+        )
+
     def _actor_logprobs(self, params, tokens, attention_mask):
-        return token_logprobs(
-            self.actor_graphdef, params, tokens, attention_mask, self.cfg.temperature
-        )[0]
+        return self._token_stats(params, tokens, attention_mask)[0]
 
     def _old_logprobs_impl(self, state: TrainState, batch: dict, with_hidden: bool):
         def fn(params, tokens, attention_mask):
-            lp, _, hidden = forward_logprobs(
-                self.actor_graphdef, params, tokens, attention_mask, self.cfg.temperature
-            )
+            lp, _, _, hidden = self._token_stats(params, tokens, attention_mask)
             return (lp, hidden) if with_hidden else lp
 
         return self._per_sample(fn, state.actor_params, batch)
@@ -262,19 +317,12 @@ class Learner:
         loss_fn = POLICY_LOSSES[algo.policy_loss]
 
         def micro_loss(p, x):
-            lp, logits = token_logprobs(
-                self.actor_graphdef, p, x["tokens"], x["attention_mask"], self.cfg.temperature
+            lp, entropy, old_kl, _ = self._token_stats(
+                p,
+                x["tokens"],
+                x["attention_mask"],
+                old_params if algo.needs_old_policy_logits else None,
             )
-            old_kl = None
-            if algo.needs_old_policy_logits:
-                _, old_logits = token_logprobs(
-                    self.actor_graphdef,
-                    old_params,
-                    x["tokens"],
-                    x["attention_mask"],
-                    self.cfg.temperature,
-                )
-                old_kl = categorical_kl(jax.lax.stop_gradient(old_logits), logits)
             inputs = LossInputs(
                 logprobs=lp,
                 old_logprobs=x["old_logprobs"],
@@ -287,6 +335,7 @@ class Learner:
             per_token, metrics = loss_fn(inputs, hp)
             metrics = dict(metrics)
             metrics["approx_kl"] = kl_penalty(lp, x["old_logprobs"], "k3")
+            metrics["entropy"] = entropy
             loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums(metrics, x["mask"])
 
