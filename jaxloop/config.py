@@ -208,10 +208,12 @@ DESCRIPTIONS = {
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
     "data.eval_source": "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; "
     "empty: the built-in task's held-out split (a file data.source then has no evaluation)",
-    "data.task": "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10",
+    "data.task": "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10 | "
+    "reverse | sort | add (multi-token answers)",
     "data.num_digits": "built-in task: digits per prompt",
     "data.tokenizer": "char (one token per character) or a local HF tokenizer dir",
-    "data.reward": "exact_match | prefix_match | math_verify | module:function",
+    "data.reward": "exact_match | prefix_match | format (partial credit: length, digits in "
+    "place) | math_verify | module:function",
     "data.max_prompt_tokens": "longest allowed prompt in tokens (checked before training)",
     "rollout.engine": "jax (embedded KV-cache sampler) | vllm (vLLM engine actors on Ray)",
     "rollout.temperature": "sampling temperature (> 0); log-probs are of the tempered policy",

@@ -3,6 +3,10 @@
 - 'exact_match':  1.0 iff response.strip() == label.strip().
 - 'prefix_match': 1.0 iff response.strip() starts with label.strip() (non-empty label); a lenient
   reward for policies that have not learned to stop yet.
+- 'format':       partial credit for multi-token answers, so RL can start from random init:
+  1.0 for an exact match, else 0.5 * (0.2 * [same length as the label] + 0.8 * the fraction of
+  positions i < max(len) where response[i] == label[i]) (stripped strings). A wrong answer scores
+  at most 0.5, so a mean above 0.5 needs exact answers.
 - 'math_verify':  1.0 iff math_verify.verify(parse(label), parse(response)); never raises (0.0 on a
   parse/verify failure). A label math-verify cannot parse (e.g. "yes") falls back to exact_match.
 
@@ -57,6 +61,16 @@ def exact_match(response: str, label: str) -> float:
 def prefix_match(response: str, label: str) -> float:
     label = label.strip()
     return 1.0 if label and response.strip().startswith(label) else 0.0
+
+
+@register_reward("format")
+def format_reward(response: str, label: str) -> float:
+    response, label = response.strip(), label.strip()
+    if response == label:
+        return 1.0
+    longest = max(len(response), len(label))
+    same = sum(a == b for a, b in zip(response, label, strict=False))
+    return 0.5 * (0.2 * float(len(response) == len(label)) + 0.8 * same / longest)
 
 
 @register_reward("math_verify")

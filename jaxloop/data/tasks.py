@@ -1,8 +1,9 @@
 """Built-in verifiable tasks over digit strings, small enough to learn by RL from random init.
 
-Every answer is one character, so a policy only has to emit `label` then EOS. Prompts are
-generated deterministically from (seed, split, index). The train/eval split is a function of the
-prompt string alone (sha256 of the prompt, 1 in 10 goes to 'eval'), so held-out eval prompts are
+Answers of the first five are one character; those of 'reverse', 'sort' and 'add' have several
+(`max_answer_tokens`); a policy has to emit `label` then EOS. Prompts are generated
+deterministically from (seed, split, index). The train/eval split is a function of the prompt
+string alone (sha256 of the prompt, 1 in 10 goes to 'eval'), so held-out eval prompts are
 never training prompts, whatever the seed.
 
 Variants (prompt -> label), with num_digits=4:
@@ -12,6 +13,9 @@ Variants (prompt -> label), with num_digits=4:
 - 'max_digit':  "7294:" -> "9"
 - 'min_digit':  "7294:" -> "2"
 - 'sum_mod10':  "3+5="  -> "8"  (always two digits; num_digits is ignored)
+- 'reverse':    "7294:" -> "4927"
+- 'sort':       "7294:" -> "2479"
+- 'add':        "123+45=" -> "168"  (two numbers of up to num_digits digits each, no leading zeros)
 """
 
 from __future__ import annotations
@@ -23,9 +27,18 @@ import numpy as np
 
 from jaxloop.data.datasets import Example
 
-__all__ = ["DEFAULT_TASK", "EVAL_FRACTION", "SPLITS", "TASKS", "BuiltinTask", "prompt_split"]
+__all__ = [
+    "DEFAULT_TASK",
+    "EVAL_FRACTION",
+    "MULTI_TOKEN_TASKS",
+    "SPLITS",
+    "TASKS",
+    "BuiltinTask",
+    "prompt_split",
+]
 
-TASKS = ("copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10")
+MULTI_TOKEN_TASKS = ("reverse", "sort", "add")
+TASKS = ("copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10", *MULTI_TOKEN_TASKS)
 DEFAULT_TASK = "copy_first"  # the default job's task (jaxloop.config takes it from here)
 SPLITS = ("train", "eval")
 EVAL_FRACTION = 10  # 1 prompt in EVAL_FRACTION is held out for eval
@@ -57,13 +70,24 @@ class BuiltinTask:
             raise ValueError(f"unknown builtin task {self.name!r}; choose one of {TASKS}")
         if self.name != "sum_mod10" and not 1 <= int(self.num_digits) <= 18:
             raise ValueError(f"num_digits must be in 1..18, got {self.num_digits}")
-        if self.name in ("max_digit", "min_digit") and self.num_digits < 2:
+        if self.name in ("max_digit", "min_digit", "reverse", "sort") and self.num_digits < 2:
             raise ValueError(f"{self.name} needs num_digits >= 2, got {self.num_digits}")
+        if self.name == "add" and not 1 <= int(self.num_digits) <= 9:
+            raise ValueError(f"add needs num_digits in 1..9, got {self.num_digits}")
 
     # ----- the task -----------------------------------------------------------------------
     @property
     def digits_per_prompt(self) -> int:
-        return 2 if self.name == "sum_mod10" else int(self.num_digits)
+        if self.name == "sum_mod10":
+            return 2
+        return 2 * int(self.num_digits) if self.name == "add" else int(self.num_digits)
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """Longest label in characters (char-tokenizer tokens), EOS not counted."""
+        if self.name == "add":
+            return int(self.num_digits) + 1
+        return int(self.num_digits) if self.name in ("reverse", "sort") else 1
 
     @property
     def num_prompts(self) -> int:
@@ -77,7 +101,14 @@ class BuiltinTask:
         d = [int(x) for x in digits]
         if self.name == "sum_mod10":
             return Example(f"{d[0]}+{d[1]}=", str((d[0] + d[1]) % 10))
+        if self.name == "add":
+            n = int(self.num_digits)
+            a, b = int("".join(map(str, d[:n]))), int("".join(map(str, d[n:])))
+            return Example(f"{a}+{b}=", str(a + b))
         prompt = "".join(map(str, d)) + ":"
+        if self.name in ("reverse", "sort"):
+            out = d[::-1] if self.name == "reverse" else sorted(d)
+            return Example(prompt, "".join(map(str, out)))
         answer = {
             "copy_last": d[-1],
             "copy_first": d[0],
@@ -89,7 +120,14 @@ class BuiltinTask:
     def answer(self, prompt: str) -> str:
         """The label of a prompt string of this task (ValueError if it is not one)."""
         body = prompt[:-1]
-        digits = body.split("+") if self.name == "sum_mod10" else list(body)
+        if self.name == "add":
+            numbers = body.split("+")
+            n = int(self.num_digits)
+            if len(numbers) != 2 or not all(x.isdigit() and len(x) <= n for x in numbers):
+                raise ValueError(f"{prompt!r} is not a {self.name} prompt")
+            digits = list("".join(x.zfill(n) for x in numbers))
+        else:
+            digits = body.split("+") if self.name == "sum_mod10" else list(body)
         if not all(len(x) == 1 and x.isdigit() for x in digits):
             raise ValueError(f"{prompt!r} is not a {self.name} prompt")
         ex = self.render([int(x) for x in digits])

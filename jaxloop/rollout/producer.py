@@ -109,19 +109,36 @@ class RolloutProducer:
         """Mean reward of greedy responses to the held-out prompts (NaN when there are none)."""
         if not self.eval_examples:
             return float("nan")
+        return float(np.mean(self.eval_rewards()))
+
+    def eval_rewards(
+        self, samples_per_prompt: int = 1, sampling: SamplingConfig | None = None
+    ) -> np.ndarray:
+        """Rewards [prompts, samples_per_prompt] of responses to the held-out prompts: greedy
+        (the default `sampling`, what `evaluate` averages) or sampled with `sampling` (sample j
+        of prompt i is seeded by (config seed, i, j))."""
+        k = int(samples_per_prompt)
+        if k < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {k}")
+        sampling = self.eval_sampling if sampling is None else sampling
+        sampling = dataclasses.replace(sampling, stop_token_ids=(self.tokenizer.eos_id,))
         requests = [
             PromptRequest(
                 self.encode(ex.prompt),
-                seed=i,
+                seed=i if k == 1 and sampling.greedy else derive_seed(self.settings.seed, i, j),
                 group_id=i,
-                sample_index=i,
+                sample_index=i if k == 1 else i * k + j,
                 label=ex.label,
                 prompt_text=ex.prompt,
             )
             for i, ex in enumerate(self.eval_examples)
+            for j in range(k)
         ]
-        samples = self.engine.generate(requests, self.eval_sampling)
-        return float(np.mean([self.reward_fn(self.response_text(s), s.label) for s in samples]))
+        if not requests:
+            return np.zeros((0, k), np.float64)
+        samples = self.engine.generate(requests, sampling)
+        rewards = [float(self.reward_fn(self.response_text(s), s.label)) for s in samples]
+        return np.asarray(rewards, np.float64).reshape(len(self.eval_examples), k)
 
     def requests(self, update: int) -> list[PromptRequest]:
         s = self.settings

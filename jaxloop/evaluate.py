@@ -1,0 +1,253 @@
+"""`python -m jaxloop.evaluate --checkpoint RUN_DIR [--step N] [--data FILE] [--samples K]`
+
+Greedy reward and pass@k of a trained checkpoint on a prompt set, with the run's reward: what a
+user runs after training. Reads `RUN_DIR/config.json` (written by `jaxloop.train`) for the data,
+tokenizer, reward and sampling settings, restores the actor of step N (default: the latest) and
+generates with the embedded sampler through the same `RolloutProducer` the trainer evaluates with,
+so the greedy reward is the trainer's `eval_reward` of that checkpoint.
+
+- prompts: `--data FILE` (JSONL / Parquet of {prompt, label}; every row, or the first
+  `--prompts N`), else the run's held-out set (`data.eval_source`, or the built-in task's eval
+  split, `eval_prompts` of them unless `--prompts N`).
+- greedy: mean reward of the greedy responses, and the fraction that are correct (reward >= 1).
+- `--samples K` (K >= 1): K responses per prompt at the run's `rollout.temperature` (or
+  `--temperature`); mean reward, pass@1 (the mean fraction of correct samples) and pass@K (the
+  fraction of prompts with at least one correct sample).
+- `--reward NAME` scores with another reward (e.g. `exact_match` for a run trained on `format`).
+
+Prints a table, then one JSON line on stdout. Errors are one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CONFIG_FILE = "config.json"
+_BIG = 10**9  # "every row" of a --data file
+
+
+class EvalUsageError(ValueError):
+    """A bad command line or run dir: one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        raise EvalUsageError(message)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = _Parser(prog="python -m jaxloop.evaluate", add_help=False)
+    ap.add_argument("--checkpoint", required=True, help="a run dir written by jaxloop.train")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--data", default="", help="JSONL / Parquet of {prompt, label} to evaluate on")
+    ap.add_argument("--samples", type=int, default=0, help="K: samples per prompt for pass@K")
+    ap.add_argument("--prompts", type=int, default=0, help="evaluate on the first N prompts")
+    ap.add_argument("--reward", default="", help="reward name (default: the run's data.reward)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="response length limit")
+    args = ap.parse_args(argv)
+    if args.samples < 0:
+        raise EvalUsageError(f"--samples must be >= 1 (got {args.samples})")
+    if args.prompts < 0:
+        raise EvalUsageError(f"--prompts must be >= 1 (got {args.prompts})")
+    if args.temperature < 0 or args.max_new_tokens < 0:
+        raise EvalUsageError("--temperature and --max-new-tokens must be > 0")
+    if args.step is not None and args.step < 0:
+        raise EvalUsageError(f"--step must be >= 0 (got {args.step})")
+    return args
+
+
+def read_run_config(run_dir: str | Path) -> dict:
+    """The run's config.json as a dict (RunDirError-like EvalUsageError when absent)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not Path(run_dir).is_dir():
+        raise EvalUsageError(f"run dir {run_dir} does not exist")
+    if not path.is_file():
+        raise EvalUsageError(f"{run_dir} has no {CONFIG_FILE} (not a jaxloop.train run dir?)")
+    try:
+        cfg = json.loads(path.read_text())
+        for key in ("data", "rollout", "model"):
+            if not isinstance(cfg[key], dict):
+                raise TypeError(key)
+    except (ValueError, KeyError, TypeError) as err:
+        raise EvalUsageError(
+            f"{path}: not a jaxloop config ({type(err).__name__}: {err})"
+        ) from None
+    return cfg
+
+
+def eval_settings(cfg: dict, args: argparse.Namespace, vocab_size: int):
+    """ProducerSettings whose held-out examples are the prompts to evaluate on."""
+    from jaxloop.data.tasks import DEFAULT_TASK
+    from jaxloop.rollout.producer import ProducerSettings
+    from jaxloop.rollout.types import SamplingConfig
+
+    data, rollout = cfg["data"], cfg["rollout"]
+    builtin = {
+        "source": "builtin",
+        "task": data.get("task", DEFAULT_TASK),
+        "num_digits": data.get("num_digits", 4),
+        "seed": cfg.get("seed", 0),
+    }
+    eval_file = args.data or data.get("eval_source", "")
+    if eval_file:
+        # the training source is not needed: only the held-out examples are generated
+        settings_data = {**builtin, "eval_source": eval_file}
+        n = args.prompts or (_BIG if args.data else int(cfg.get("eval_prompts", 64)))
+        prompts = f"{eval_file} ({'--data' if args.data else 'data.eval_source'})"
+    elif data.get("source", "builtin") == "builtin":
+        settings_data = {**builtin, "eval_source": ""}
+        n = args.prompts or int(cfg.get("eval_prompts", 64))
+        prompts = f"builtin {builtin['task']} ({builtin['num_digits']} digits), held-out split"
+    else:
+        raise EvalUsageError(
+            f"the run trained on {data.get('source')!r} without data.eval_source: pass --data FILE"
+        )
+    tokenizer = data.get("tokenizer", "char")
+    if tokenizer != "char" and not Path(tokenizer).is_dir():
+        raise EvalUsageError(f"tokenizer dir {tokenizer!r} of the run's data.tokenizer not found")
+    settings = ProducerSettings(
+        seed=int(cfg.get("seed", 0)),
+        data=settings_data,
+        tokenizer=tokenizer,
+        vocab_size=int(vocab_size),
+        reward=args.reward or data.get("reward", "exact_match"),
+        prompts_per_update=1,
+        n_samples_per_prompt=1,
+        max_prompt_tokens=int(data.get("max_prompt_tokens", 32)),
+        eval_prompts=n,
+        requires_groups=False,
+        sampling=SamplingConfig(
+            temperature=args.temperature or float(rollout.get("temperature", 1.0)),
+            max_new_tokens=args.max_new_tokens or int(rollout.get("max_new_tokens", 8)),
+        ),
+    )
+    return settings, prompts
+
+
+def pass_at_k(correct: np.ndarray, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) from n >= k samples per prompt, averaged over prompts:
+    1 - C(n - c, k) / C(n, k) with c correct samples of n."""
+    n = correct.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= {n} samples")
+    out = []
+    for c in correct.sum(axis=1).astype(int):
+        out.append(1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k))
+    return float(np.mean(out)) if out else float("nan")
+
+
+def evaluate_run(args: argparse.Namespace) -> dict:
+    from flax import nnx
+
+    from jaxloop.models.orbax_io import restore_model
+    from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+    from jaxloop.rollout.producer import RolloutProducer
+    from jaxloop.summary import checkpoint_steps
+
+    run_dir = Path(args.checkpoint)
+    cfg = read_run_config(run_dir)
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise EvalUsageError(f"{run_dir} holds no checkpoint")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise EvalUsageError(f"{run_dir} has no checkpoint at step {step} (steps: {steps})")
+    m = cfg["model"]
+    model = restore_model(
+        run_dir,
+        "actor",
+        step=step,
+        dtype=m.get("param_dtype", "float32"),
+        compute_dtype=m.get("compute_dtype", "float32"),
+    )
+    settings, prompts = eval_settings(cfg, args, model.config.vocab_size)
+    producer = RolloutProducer(settings, JaxSamplerEngine(model))
+    if not producer.eval_examples:
+        raise EvalUsageError(f"no prompts to evaluate on in {prompts}")
+    producer.publish(nnx.state(model), step)
+    greedy = producer.eval_rewards()[:, 0]
+    result = {
+        "checkpoint": str(run_dir),
+        "step": step,
+        "prompts": len(producer.eval_examples),
+        "prompt_set": prompts,
+        "reward": settings.reward,
+        "greedy_reward": float(greedy.mean()),
+        "greedy_correct": float((greedy >= 1.0).mean()),
+    }
+    if args.samples:
+        sampling = dataclasses.replace(settings.sampling, greedy=False)
+        rewards = producer.eval_rewards(args.samples, sampling)
+        correct = rewards >= 1.0
+        result.update(
+            {
+                "samples": args.samples,
+                "temperature": sampling.temperature,
+                "sample_reward": float(rewards.mean()),
+                "pass@1": pass_at_k(correct, 1),
+                f"pass@{args.samples}": pass_at_k(correct, args.samples),
+            }
+        )
+    producer.close()
+    return result
+
+
+def format_table(result: dict) -> str:
+    rows = [
+        ("checkpoint", f"{result['checkpoint']} (step {result['step']})"),
+        ("prompts", f"{result['prompts']}: {result['prompt_set']}"),
+        ("reward", result["reward"]),
+        ("greedy reward", f"{result['greedy_reward']:.4f}"),
+        ("greedy correct", f"{result['greedy_correct']:.4f}  (reward >= 1)"),
+    ]
+    if "samples" in result:
+        k = result["samples"]
+        rows += [
+            ("samples per prompt", f"{k} at temperature {result['temperature']:g}"),
+            ("sampled reward", f"{result['sample_reward']:.4f}"),
+            ("pass@1", f"{result['pass@1']:.4f}"),
+        ]
+        if k > 1:
+            rows.append((f"pass@{k}", f"{result[f'pass@{k}']:.4f}"))
+    width = max(len(label) for label, _ in rows) + 2
+    return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxloop.data.datasets import DataError
+    from jaxloop.data.tokenizer import TokenizerError
+    from jaxloop.models import ConfigError
+    from jaxloop.models.hf_io import CheckpointError
+    from jaxloop.models.orbax_io import RunDirError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip())
+        return 0
+    try:
+        result = evaluate_run(parse_args(argv))
+    except (
+        EvalUsageError,
+        DataError,
+        TokenizerError,
+        ConfigError,
+        CheckpointError,
+        RunDirError,
+    ) as err:
+        print(f"error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    print(format_table(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
