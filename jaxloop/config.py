@@ -212,8 +212,8 @@ DESCRIPTIONS = {
     "reverse | sort | add (multi-token answers)",
     "data.num_digits": "built-in task: digits per prompt",
     "data.tokenizer": "char (one token per character) or a local HF tokenizer dir",
-    "data.reward": "exact_match | prefix_match | format (partial credit: length, digits in "
-    "place) | math_verify | module:function",
+    "data.reward": "exact_match | prefix_match | format (partial credit for a right prefix of "
+    "the answer) | math_verify | module:function",
     "data.max_prompt_tokens": "longest allowed prompt in tokens (checked before training)",
     "rollout.engine": "jax (embedded KV-cache sampler) | vllm (vLLM engine actors on Ray)",
     "rollout.temperature": "sampling temperature (> 0); log-probs are of the tempered policy",

@@ -4,9 +4,11 @@
 - 'prefix_match': 1.0 iff response.strip() starts with label.strip() (non-empty label); a lenient
   reward for policies that have not learned to stop yet.
 - 'format':       partial credit for multi-token answers, so RL can start from random init:
-  1.0 for an exact match, else 0.5 * (0.2 * [same length as the label] + 0.8 * the fraction of
-  positions i < max(len) where response[i] == label[i]) (stripped strings). A wrong answer scores
-  at most 0.5, so a mean above 0.5 needs exact answers.
+  1.0 for an exact match, else 0.5 * (leading characters of the response that match the label) /
+  len(label) (stripped strings): the right length alone earns nothing (credit for the format
+  alone reinforces whatever digits the well-formed samples had and collapsed the policy onto a
+  constant answer in our runs), a right prefix without the stop earns at most 0.5, so a mean
+  above 0.5 needs exact answers.
 - 'math_verify':  1.0 iff math_verify.verify(parse(label), parse(response)); never raises (0.0 on a
   parse/verify failure). A label math-verify cannot parse (e.g. "yes") falls back to exact_match.
 
@@ -68,9 +70,12 @@ def format_reward(response: str, label: str) -> float:
     response, label = response.strip(), label.strip()
     if response == label:
         return 1.0
-    longest = max(len(response), len(label))
-    same = sum(a == b for a, b in zip(response, label, strict=False))
-    return 0.5 * (0.2 * float(len(response) == len(label)) + 0.8 * same / longest)
+    prefix = 0  # leading characters that are right: later ones count only after earlier ones
+    for a, b in zip(response, label, strict=False):
+        if a != b:
+            break
+        prefix += 1
+    return 0.5 * prefix / max(len(label), 1)
 
 
 @register_reward("math_verify")

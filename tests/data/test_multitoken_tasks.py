@@ -102,18 +102,17 @@ def test_format_reward_hand_values():
     # exact (whitespace stripped, as exact_match): full reward
     assert f("4927", "4927") == 1.0
     assert f(" 4927\n", "4927") == 1.0
-    # right length, 3 of 4 positions: 0.5 * (0.2 + 0.8 * 3/4)
-    assert f("4920", "4927") == pytest.approx(0.4)
-    # right length, nothing right: the length credit alone
-    assert f("1111", "4927") == pytest.approx(0.1)
-    # too short, 2 positions right: 0.5 * 0.8 * 2/4
-    assert f("49", "4927") == pytest.approx(0.2)
-    # too long: positions counted over the longer string, no length credit
-    assert f("49270", "4927") == pytest.approx(0.5 * 0.8 * 4 / 5)
+    # the right prefix: 0.5 * (leading characters right) / len(label)
+    assert f("4920", "4927") == pytest.approx(0.5 * 3 / 4)
+    assert f("49", "4927") == pytest.approx(0.5 * 2 / 4)
+    assert f("49270", "4927") == pytest.approx(0.5)  # all of it, but not stopped
+    # a wrong first character: nothing after it counts, and the right length earns nothing
+    assert f("0927", "4927") == 0.0
+    assert f("1111", "4927") == 0.0
     assert f("", "4927") == 0.0
-    assert f("7", "8") == pytest.approx(0.1)  # one-token labels: right length, wrong digit
+    assert f("7", "8") == 0.0
     # a wrong answer never scores above 0.5; a mean above 0.5 needs exact answers
-    assert max(f(r, "4927") for r in ("4928", "4900", "492", "49277", "x927")) < 0.5
+    assert max(f(r, "4927") for r in ("4928", "4900", "492", "49277", "x927")) <= 0.5
     assert all(isinstance(f(r, "12"), float) for r in ("12", "1", ""))
     # agrees with exact_match on what counts as fully right
     exact = get_reward("exact_match")
