@@ -110,6 +110,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.grad_clip = 1.0
     c.optim.max_skipped_updates = 3
 
+    c.offload = ml_collections.ConfigDict()
+    c.offload.critic = False
+    c.offload.optimizer = False
+    c.offload.reference = False
+
     c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-3
     c.critic.steps_per_rollout = 1
@@ -165,6 +170,8 @@ SECTIONS = {
     "algo": "loss and advantage hyper-parameters",
     "mesh": "device mesh ('data', 'fsdp', 'tensor') for training and the embedded sampler",
     "dist": "many processes (jax.distributed.initialize)",
+    "offload": "what rests in pinned host memory while the phase of an update at work does not "
+    "use it",
     "draft_features": "saving LM-head input hidden states for draft-model training",
 }
 
@@ -203,6 +210,12 @@ DESCRIPTIONS = {
     "model.compute_dtype": "compute dtype: float32 | bfloat16",
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
+    "offload.critic": "keep the critic and its optimizer state in pinned host memory outside "
+    "the value and critic phases of an update",
+    "offload.optimizer": "keep the actor's optimizer state in pinned host memory outside the "
+    "actor phase (during generation and the critic phase)",
+    "offload.reference": "keep the reference policy in pinned host memory outside its log-prob "
+    "phase",
     "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
     "sequence); bounds the [B, chunk, V] logits held at once",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",

@@ -6,8 +6,11 @@ evaluation and checkpoints. A run dir that holds a checkpoint resumes from it au
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +40,13 @@ from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import Learner, LearnerConfig, make_optimizer, metrics_to_host
+from jaxloop.rl.learner import (
+    Learner,
+    LearnerConfig,
+    OffloadConfig,
+    make_optimizer,
+    metrics_to_host,
+)
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import (
     TrainState,
@@ -162,6 +171,7 @@ def loss_hparams(cfg) -> LossHParams:
         flow_delta=a.flow_delta,
         value_clip=opt(a.value_clip),
         reduction=a.reduction,
+        value_loss_scale=cfg.critic.loss_scale,
     )
 
 
@@ -231,6 +241,11 @@ class Training:
             self.critic_tx,
             mesh=mesh,
             state_shardings=self.shardings,
+            offload=OffloadConfig(
+                critic=cfg.offload.critic,
+                optimizer=cfg.offload.optimizer,
+                reference=cfg.offload.reference,
+            ),
         )
 
     def fresh_state(self) -> TrainState:
@@ -326,6 +341,7 @@ class Trainer:
         sizes = validate_mesh(cfg, jax.device_count(), model_cfg)
         self.mesh = shd.make_mesh(**sizes)
         self.training = Training(cfg, model_cfg, self.mesh)
+        check_resume(cfg, self.run_dir, self.training)  # before anything is written or restored
         self.learner = self.training.learner
         settings = producer_settings(cfg, self.algo.requires_groups)
         if cfg.data.tokenizer == "char" and cfg.model.vocab_size != model_cfg.vocab_size:
@@ -346,6 +362,7 @@ class Trainer:
                     self.training.actor_abstract, self.training.critic_abstract
                 )
                 (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+        self.state = self.learner.rest(self.state)  # offloaded parts to host memory
         self.start_update = self.state.update_count
         engine_model = (
             self.training.actor_abstract
@@ -453,6 +470,7 @@ class Trainer:
             self.state, {**device_batch, "old_logprobs": old_lp}
         )
         metrics.update(metrics_to_host(update_metrics))
+        metrics.update(self.learner.last_moves)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         in_a_row, limit = int(self.state.consecutive_skips), cfg.optim.max_skipped_updates
         if in_a_row >= limit:  # nothing of this update is saved: the last checkpoint stays good
@@ -491,6 +509,262 @@ def _stored_vocab_size(cfg) -> int:
     return int(m.vocab_size)
 
 
+# ---- before anything is written ----
+def preflight(cfg):
+    """The checks a run makes before it builds a model or writes anything (a dry run makes them
+    too): loss hyper-parameters; model.hf_dir's config.json, index and tensor headers (names,
+    shapes, dtypes; headers only); the data source, the tokenizer (its vocabulary must fit the
+    model's), the reward (it must return a number) and every prompt's length. Returns the
+    algorithm."""
+    from jaxloop.models.hf_io import check_hf_dir
+
+    algo = get_algorithm(cfg.algorithm)
+    try:
+        loss_hparams(cfg)
+    except ValueError as err:
+        raise UsageError(f"algo: {err}") from None
+    if cfg.model.hf_dir:
+        check_hf_dir(cfg.model.hf_dir)
+    vocab = _stored_vocab_size(cfg)
+    settings = producer_settings(cfg, algo.requires_groups)
+    if cfg.data.tokenizer == "char":
+        settings = dataclasses.replace(settings, vocab_size=vocab)
+    producer = RolloutProducer(settings, engine=None)  # the data / tokenizer / reward errors
+    if producer.tokenizer.vocab_size > vocab:
+        raise TokenizerError(
+            f"data.tokenizer={cfg.data.tokenizer!r} has {producer.tokenizer.vocab_size} tokens, "
+            f"more than the model's vocabulary of {vocab}: its ids would index past the embedding"
+        )
+    return algo
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+
+
+def check_writable(run_dir) -> None:
+    """UsageError unless a file can be created, written and synced in run_dir (a new one: in its
+    nearest existing parent); the probe file is removed. A read-only or full file system fails
+    here, before anything is written."""
+    path = Path(run_dir).resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"run_dir {str(path)!r} exists and is not a directory")
+    where = path
+    while not where.exists():
+        where = where.parent
+    probe = where / f".jaxloop-write-probe-{os.getpid()}"
+    times = where.stat()
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise UsageError(
+            f"run_dir {str(path)!r} is not writable: {err.strerror or err} (in {where})"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+            os.utime(where, ns=(times.st_atime_ns, times.st_mtime_ns))  # the probe leaves no trace
+
+
+# ---- resuming a run dir ----
+# Keys a resume may change: where and how the run executes, how often it evaluates, checkpoints
+# and logs, when it stops. They leave what an update computes alone: micro_batch_size splits the
+# same sums into other partial sums (equal up to float rounding; bitwise only when unchanged),
+# remat / attention_impl / logits_chunk compute the same values, a mesh or an offload places
+# them, model.hf_dir / model.init_checkpoint only gave the first weights (the architecture they
+# give is compared through actor_config.json), rollout.engine samples the same policy. Every other
+# key is the run's math (seed, algorithm, algo.*, optim.*, critic.* when the algorithm has a
+# critic, model shape and dtypes, data.*, sampling, batch sizes, updates_per_rollout): a resume
+# that changes one is refused. total_updates is free under optim.schedule=constant only (cosine
+# and linear decay over it). Keys the run dir's config.json does not have (it predates them) are
+# not compared.
+RESUME_FREE_KEYS = frozenset(
+    {
+        "run_dir",
+        "stop_after",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "eval_every",
+        "eval_prompts",
+        "progress",
+        "verbose",
+        "micro_batch_size",
+        "model.hf_dir",
+        "model.init_checkpoint",
+        "model.remat",
+        "model.attention_impl",
+        "model.logits_chunk",
+        "data.eval_source",
+        "data.max_prompt_tokens",
+        "rollout.engine",
+        "rollout.max_logprob_diff",
+        "rollout.num_engines",
+        "rollout.ray_address",
+        "rollout.publish_bucket_mb",
+        "rollout.transport",
+        "rollout.engine_timeout_s",
+        "rollout.publish_timeout_s",
+        "rollout.engine_log_level",
+        "optim.max_skipped_updates",
+    }
+)
+RESUME_FREE_SECTIONS = ("mesh.", "dist.", "draft_features.", "offload.")
+ARCHITECTURE_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_loops",
+    "rope_theta",
+    "rms_norm_eps",
+    "sandwich_norm",
+    "early_exit_gate",
+    "norm_between_loops",
+)
+
+
+def _flat_json(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat_json(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_changes_math(cfg, key: str) -> bool:
+    """Whether `key` may not change when a run dir resumes (see RESUME_FREE_KEYS)."""
+    if key in RESUME_FREE_KEYS or key.startswith(RESUME_FREE_SECTIONS):
+        return False
+    if key == "total_updates":
+        return cfg.optim.schedule != "constant"
+    if key.startswith("critic."):
+        return get_algorithm(cfg.algorithm).uses_critic
+    return True
+
+
+def check_resume(cfg, run_dir: Path, training: Training) -> None:
+    """Before a checkpoint is restored: refuse to resume `run_dir` with a config whose math
+    differs from the one it was started with (its config.json), a model of another architecture
+    (its actor_config.json), or a checkpoint that holds another algorithm's state, arrays of other
+    shapes, or is incomplete. Reads only; without a checkpoint nothing is checked (the run starts
+    afresh)."""
+    from jaxloop.checkpoint import ARRAY_ITEMS, TRAIN_STATE
+    from jaxloop.config import flat_items
+    from jaxloop.models.orbax_io import CHECKPOINT_DIR
+    from jaxloop.summary import checkpoint_steps
+
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        return
+    refuse = "(start a new run_dir to change it)"
+    stored_path = run_dir / "config.json"
+    if stored_path.is_file():
+        try:
+            stored = _flat_json(json.loads(stored_path.read_text()))
+        except (ValueError, AttributeError) as err:
+            raise RunDirError(f"{stored_path} is unreadable ({err})") from None
+        for key, value in flat_items(cfg):
+            value = json.loads(json.dumps(value))
+            if key in stored and stored[key] != value and resume_changes_math(cfg, key):
+                raise UsageError(
+                    f"run dir {run_dir} was started with {key}={stored[key]!r}; this run has "
+                    f"{key}={value!r} {refuse}"
+                )
+    actor_path = run_dir / "actor_config.json"
+    if actor_path.is_file():
+        try:
+            before = LoopedConfig.from_hf_dict(json.loads(actor_path.read_text()))
+        except ValueError as err:
+            raise RunDirError(f"{actor_path} is unreadable ({err})") from None
+        for name in ARCHITECTURE_FIELDS:
+            old, new = getattr(before, name), getattr(training.model_cfg, name)
+            if old != new:
+                raise UsageError(
+                    f"run dir {run_dir} was started with a model of {name}={old!r}; this run's "
+                    f"model has {name}={new!r} {refuse}"
+                )
+    # the checkpoint itself: the items of this algorithm, the shapes of this model
+    step = steps[-1]
+    ckpt = run_dir / CHECKPOINT_DIR / str(step)
+    abstract = training.abstract_state()
+    want = {item for item, field in ARRAY_ITEMS.items() if getattr(abstract, field) is not None}
+    have = {p.name for p in ckpt.iterdir() if p.is_dir()}
+    extra = sorted(have - want - {TRAIN_STATE})
+    if extra:
+        raise UsageError(
+            f"run dir {run_dir}: checkpoint {step} holds {', '.join(extra)}, which a "
+            f"{cfg.algorithm} run does not have (written by another algorithm or config) {refuse}"
+        )
+    lacking = sorted((want | {TRAIN_STATE}) - have)
+    delete = f"delete {ckpt} to resume from the one before, or start a new run_dir"
+    if lacking:
+        raise RunDirError(
+            f"run dir {run_dir}: checkpoint {step} is incomplete: it lacks "
+            f"{', '.join(lacking)} ({delete})"
+        )
+    try:
+        counters = json.loads((ckpt / TRAIN_STATE / "metadata").read_text())
+        int(counters["update"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RunDirError(
+            f"run dir {run_dir}: checkpoint {step} is corrupt: its {TRAIN_STATE} is unreadable "
+            f"({type(err).__name__}) ({delete})"
+        ) from None
+    for item, field in ARRAY_ITEMS.items():
+        if item in want and field.endswith("_params"):
+            _check_stored_shapes(ckpt / item, getattr(abstract, field), run_dir, step, delete)
+
+
+def _check_stored_shapes(item_dir: Path, abstract, run_dir, step, delete) -> None:
+    """The shapes and dtypes in an orbax item's metadata against the model's (metadata only)."""
+    import logging
+
+    import orbax.checkpoint as ocp
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that an item dir has no step metadata of its own
+    try:
+        if (item_dir / "_METADATA").is_file():  # orbax's tree metadata: JSON
+            json.loads((item_dir / "_METADATA").read_text())
+        meta = ocp.StandardCheckpointer().metadata(item_dir)
+        stored = {
+            jax.tree_util.keystr(p): leaf
+            for p, leaf in jax.tree_util.tree_leaves_with_path(meta.item_metadata)
+        }
+    except Exception as err:  # noqa: BLE001 - orbax / tensorstore raise many kinds
+        raise RunDirError(
+            f"run dir {run_dir}: checkpoint {step} is corrupt: {item_dir.name} metadata is "
+            f"unreadable ({type(err).__name__}) ({delete})"
+        ) from None
+    finally:
+        absl.setLevel(level)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        key = jax.tree_util.keystr(path)
+        got = stored.get(key)
+        if got is None:
+            raise UsageError(
+                f"run dir {run_dir}: checkpoint {step} has no {item_dir.name}{key}: written for "
+                "another model (start a new run_dir to change it)"
+            )
+        if tuple(got.shape) != tuple(leaf.shape) or jnp.dtype(got.dtype) != jnp.dtype(leaf.dtype):
+            raise UsageError(
+                f"run dir {run_dir}: checkpoint {step} holds {item_dir.name}{key} of shape "
+                f"{tuple(got.shape)} {jnp.dtype(got.dtype)}; this model has {tuple(leaf.shape)} "
+                f"{jnp.dtype(leaf.dtype)} (start a new run_dir to change it)"
+            )
+
+
 def run_dir_status(cfg) -> str:
     done = completed_update(cfg.run_dir)
     if done is None:
@@ -503,15 +777,7 @@ def run_dir_status(cfg) -> str:
 def dry_run(cfg) -> str:
     """The checks a real run makes before it builds a model (config, loss hyper-parameters,
     data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
-    algo = get_algorithm(cfg.algorithm)
-    try:
-        loss_hparams(cfg)
-    except ValueError as err:
-        raise UsageError(f"algo: {err}") from None
-    settings = producer_settings(cfg, algo.requires_groups)
-    if cfg.data.tokenizer == "char":
-        settings = dataclasses.replace(settings, vocab_size=_stored_vocab_size(cfg))
-    RolloutProducer(settings, engine=None)  # raises the data / tokenizer / reward errors
+    algo = preflight(cfg)
     steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
     bound = cfg.rollout.max_logprob_diff or default_logprob_diff(
         cfg.rollout.engine, cfg.model.compute_dtype
@@ -565,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 0
+        preflight(cfg)
+        check_writable(cfg.run_dir)
         trainer = Trainer(cfg)
         code = trainer.run()
     except (
@@ -576,6 +844,11 @@ def main(argv: list[str] | None = None) -> int:
         TokenizerError,
     ) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    except OSError as err:  # a write refused mid-run (disk full, read-only): one line, exit 2
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        print(f"error: cannot write: {err}".splitlines()[0], file=sys.stderr)
         return 2
     except (LogprobMismatchError, NonFiniteUpdateError) as err:
         print(f"error: {err}", file=sys.stderr)

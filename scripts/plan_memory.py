@@ -49,16 +49,86 @@ def parse_args(argv=None):
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
     p.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference params")
+    p.add_argument(
+        "--offload",
+        default="",
+        help="comma list of critic, optimizer, reference (the offload.* keys): plans the update "
+        "as its three phases, each with only what it uses on the device",
+    )
+    p.add_argument("--gen-rows", type=int, default=32, help="rows generated at once (KV cache)")
     return p.parse_args(argv)
+
+
+def _bytes(tree) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _total(m) -> int:
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + (m.temp_size_in_bytes)
+    )
+
+
+def plan_phases(learner, state, batch, off: set[str], model_cfg, gen_rows: int, seq: int):
+    """Per-device peak of each phase of an offloaded update, plus generation: the phase's own
+    compiled memory and whatever else of the state stays on the device meanwhile."""
+    import jax
+
+    resting = {  # state fields in host memory between phases
+        "critic_params": "critic" in off,
+        "critic_opt": "critic" in off,
+        "actor_opt": "optimizer" in off,
+        "ref_params": "reference" in off,
+    }
+
+    def resident(*in_use: str) -> int:
+        fields = ("actor_params", "actor_opt", "critic_params", "critic_opt", "ref_params")
+        return sum(
+            _bytes(getattr(state, f))
+            for f in fields
+            if f not in in_use and not resting.get(f, False) and getattr(state, f) is not None
+        )
+
+    full = {**batch, "old_logprobs": batch["response_mask"]}
+    prep = learner._prepare.lower(state.ref_params, state.critic_params, full).compile()
+    prepared = jax.eval_shape(learner._prepare_impl, state.ref_params, state.critic_params, full)[0]
+    actor = learner._actor_phase.lower(state.actor_params, state.actor_opt, full, prepared)
+    phases = {
+        "prepare": (prep.memory_analysis(), resident("ref_params", "critic_params")),
+        "actor": (actor.compile().memory_analysis(), resident("actor_params", "actor_opt")),
+    }
+    if state.critic_params is not None:
+        critic = learner._critic_phase.lower(state.critic_params, state.critic_opt, full, prepared)
+        phases["critic"] = (
+            critic.compile().memory_analysis(),
+            resident("critic_params", "critic_opt"),
+        )
+    out = {}
+    for name, (m, other) in phases.items():
+        out[name] = {"phase_gb": _total(m) / 1e9, "resident_gb": other / 1e9}
+        out[name]["total_gb"] = out[name]["phase_gb"] + out[name]["resident_gb"]
+    # generation (estimate): the actor parameters, what else stays on the device, and the KV
+    # cache of gen_rows x seq tokens in the compute dtype (loops x layers x 2 (k, v) per token)
+    c = model_cfg
+    cache = 2 * c.num_loops * c.num_layers * gen_rows * seq * c.num_kv_heads * c.head_dim
+    cache *= jax.numpy.dtype(c.compute_dtype).itemsize
+    out["generate"] = {"phase_gb": cache / 1e9, "resident_gb": resident() / 1e9}
+    out["generate"]["total_gb"] = out["generate"]["phase_gb"] + out["generate"]["resident_gb"]
+    return out
 
 
 def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     import jax
 
-    from jaxloop.parallel import mesh as shd
     from jaxloop.config import base_config, validate_mesh
     from jaxloop.models import LoopedConfig, tiny_hf_config
     from jaxloop.models.presets import FULL_SIZE
+    from jaxloop.parallel import mesh as shd
     from jaxloop.train import Training
 
     hf = tiny_hf_config("nanbeige") if args.config == "tiny" else dict(FULL_SIZE[args.config])
@@ -75,6 +145,9 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     cfg.n_samples_per_prompt = 1 if algorithm != "grpo" else 2
     cfg.prompts_per_update = samples // cfg.n_samples_per_prompt
     cfg.algo.kl_coef = args.kl_coef
+    off = set(filter(None, args.offload.split(",")))
+    for name in off:
+        cfg.offload[name] = True
     for axis, size in mesh_sizes.items():
         cfg.mesh[axis] = size
     validate_mesh(cfg, jax.device_count(), model_cfg)
@@ -100,19 +173,23 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows) for k, (shape, dt) in spec.items()}
     out = {"algorithm": algorithm, "devices": jax.device_count(), **mesh_sizes}
     out.update(micro_batch=micro, samples=samples, seq=s, remat=args.remat)
+    if off:
+        out["offload"] = sorted(off)
+        with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
+            out["phases"] = plan_phases(
+                learner, state, batch, off, model_cfg, args.gen_rows, args.seq
+            )
+            out["compile_s"] = round(time.perf_counter() - t0, 1)
+        return out
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
-        old = learner._old_logprobs.lower(state, batch, False).compile().memory_analysis()
+        old = learner._old_logprobs.lower(state.actor_params, batch, False).compile().memory_analysis()
         full = {**batch, "old_logprobs": batch["response_mask"]}
         upd = learner._update.lower(state, full).compile().memory_analysis()
         out["compile_s"] = round(time.perf_counter() - t0, 1)
     for name, m in (("update", upd), ("old_logprobs", old)):
-        total = (
-            m.argument_size_in_bytes
-            + m.output_size_in_bytes
-            - m.alias_size_in_bytes
-            + m.temp_size_in_bytes
-        )
+        total = _total(m)
         out[name] = {
             "argument_gb": m.argument_size_in_bytes / 1e9,
             "output_gb": m.output_size_in_bytes / 1e9,
@@ -144,8 +221,20 @@ def main(argv=None) -> int:
         f"{'temp GB':>8} {'total GB':>9}"
     )
     print(f"{args.config}, mesh {args.mesh} ({devices} devices), per device:")
-    print(head)
-    for r in results:
+    if args.offload:
+        print(f"offload: {args.offload}; per phase: its compiled memory + the state left on device")
+        print(f"{'algorithm':<10} {'phase':<9} {'phase GB':>9} {'resident GB':>12} {'peak GB':>8}")
+        for r in results:
+            for phase, m in r["phases"].items():
+                print(
+                    f"{r['algorithm']:<10} {phase:<9} {m['phase_gb']:>9.2f} "
+                    f"{m['resident_gb']:>12.2f} {m['total_gb']:>8.2f}"
+                )
+        results_only = True
+    else:
+        results_only = False
+        print(head)
+    for r in [] if results_only else results:
         for step in ("update", "old_logprobs"):
             m = r[step]
             print(

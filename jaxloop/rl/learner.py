@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -211,6 +212,23 @@ class LearnerConfig:
     logits_chunk: int = 0  # positions per LM-head chunk (0: the whole sequence)
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """What rests in host memory (`memory_kind='pinned_host'`) while the phase at work does not
+    use it: the critic and its optimizer state (outside the value / critic phases), the actor's
+    optimizer state (outside the actor phase: during generation and the critic phase), the
+    reference (outside the reference log-prob phase). Any flag on runs the update as three
+    jitted phases with the moves between them; all off runs it as one fused program."""
+
+    critic: bool = False
+    optimizer: bool = False
+    reference: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.critic or self.optimizer or self.reference
+
+
 class Learner:
     """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the two
     jitted functions. It holds no parameters: those live in the TrainState."""
@@ -227,6 +245,7 @@ class Learner:
         *,
         mesh: Mesh | None = None,
         state_shardings: TrainState | None = None,
+        offload: OffloadConfig = OffloadConfig(),
     ):
         self.algorithm = algorithm
         self.hp = hparams
@@ -237,6 +256,13 @@ class Learner:
         self.critic_tx = critic_tx
         self.mesh = mesh
         self.state_shardings = state_shardings
+        self.offload = offload
+        self.last_moves: dict[str, float] = {}
+        # the phases of an offloaded update (the fused `_update` is the same three in one)
+        self._prepare = jax.jit(self._prepare_impl)
+        self._actor_phase = jax.jit(self._actor_impl, donate_argnums=(0, 1))
+        self._critic_phase = jax.jit(self._critic_impl, donate_argnums=(0, 1))
+        self._counters = jax.jit(self._counters_impl)
         if mesh is None:
             self._old_logprobs = jax.jit(self._old_logprobs_impl, static_argnums=2)
             self._update = jax.jit(self._update_impl, donate_argnums=0)
@@ -247,7 +273,7 @@ class Learner:
             self._old_logprobs = jax.jit(
                 self._old_logprobs_impl,
                 static_argnums=2,
-                in_shardings=(state_shardings, rows),
+                in_shardings=(state_shardings.actor_params, rows),
                 out_shardings=rows,
             )
             self._update = jax.jit(
@@ -270,13 +296,105 @@ class Learner:
     def old_logprobs(self, state: TrainState, batch: dict, with_hidden: bool = False):
         """[N, T] log-probs of the actor (with_hidden: and the [N, T, E] LM-head inputs)."""
         with self._mesh_context():
-            return self._old_logprobs(state, batch, with_hidden)
+            return self._old_logprobs(state.actor_params, batch, with_hidden)
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One rollout's optimizer steps. `batch` holds the RolloutBatch fields plus
         'old_logprobs'. The input state is donated: use only the returned one."""
         with self._mesh_context():
+            if self.offload.any:
+                return self._update_offloaded(state, batch)
             return self._update(state, batch)
+
+    # ---- offloading ----
+    def _offloaded(self, state: TrainState) -> dict[str, tuple[str, ...]]:
+        o = self.offload
+        fields = {
+            "critic": ("critic_params", "critic_opt") if o.critic else (),
+            "optimizer": ("actor_opt",) if o.optimizer else (),
+            "reference": ("ref_params",) if o.reference else (),
+        }
+        return {k: tuple(f for f in v if getattr(state, f) is not None) for k, v in fields.items()}
+
+    def _move(self, name: str, tree, memory_kind: str, delete_source: bool):
+        """Copy `tree` to `memory_kind` (same shardings otherwise); time and bytes go to
+        `last_moves` as offload_{name}_{to_host|to_device}_{s|gb}."""
+        start = time.perf_counter()
+        moved = jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind(memory_kind)), tree
+        )
+        jax.block_until_ready(moved)
+        if delete_source:
+            jax.tree.map(lambda x: x.delete(), tree)
+        way = "to_host" if memory_kind == "pinned_host" else "to_device"
+        key = f"offload_{name}_{way}"
+        self.last_moves[f"{key}_s"] = self.last_moves.get(f"{key}_s", 0.0) + (
+            time.perf_counter() - start
+        )
+        gb = sum(x.nbytes for x in jax.tree.leaves(tree)) / 1e9
+        self.last_moves[f"{key}_gb"] = self.last_moves.get(f"{key}_gb", 0.0) + gb
+        return moved
+
+    def rest(self, state: TrainState) -> TrainState:
+        """`state` with every offloaded part in host memory (after init or restore)."""
+        self.last_moves = {}
+        moves = {}
+        for name, fields in self._offloaded(state).items():
+            for field in fields:
+                value = getattr(state, field)
+                kinds = {x.sharding.memory_kind for x in jax.tree.leaves(value)}
+                if kinds - {"pinned_host"}:
+                    moves[field] = self._move(name, value, "pinned_host", delete_source=True)
+        return state.replace(**moves)
+
+    def _update_offloaded(self, state: TrainState, batch: dict):
+        """The update as three phases, each with only what it uses on the device."""
+        self.last_moves = {}
+        off = self._offloaded(state)
+        fetch = lambda name, field: self._move(  # noqa: E731
+            name, getattr(state, field), "device", delete_source=False
+        )
+        ref, critic = state.ref_params, state.critic_params
+        if "ref_params" in off["reference"]:
+            ref = fetch("reference", "ref_params")
+        if "critic_params" in off["critic"]:
+            critic = fetch("critic", "critic_params")
+        prepared, metrics = self._prepare(ref, critic, batch)
+        jax.block_until_ready(prepared)
+        for on_host, copy in ((off["reference"], ref), (off["critic"], critic)):
+            if on_host:  # the host copy is unchanged; the device copy goes
+                jax.tree.map(lambda x: x.delete(), copy)
+
+        actor_opt = fetch("optimizer", "actor_opt") if off["optimizer"] else state.actor_opt
+        actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_phase(
+            state.actor_params, actor_opt, batch, prepared
+        )
+        metrics.update(actor_metrics)
+        if off["optimizer"]:
+            actor_opt = self._move("optimizer", actor_opt, "pinned_host", delete_source=True)
+
+        critic_params, critic_opt, critic_ok = state.critic_params, state.critic_opt, True
+        if critic_params is not None:
+            if off["critic"]:
+                critic_params = fetch("critic", "critic_params")
+                critic_opt = fetch("critic", "critic_opt")
+            critic_params, critic_opt, critic_ok, critic_metrics = self._critic_phase(
+                critic_params, critic_opt, batch, prepared
+            )
+            metrics.update(critic_metrics)
+            if off["critic"]:
+                critic_params = self._move("critic", critic_params, "pinned_host", True)
+                critic_opt = self._move("critic", critic_opt, "pinned_host", True)
+        counters, skipped = self._counters(_counter_fields(state), first_ok, actor_ok, critic_ok)
+        metrics["skipped"] = skipped.astype(jnp.float32)
+        new_state = state.replace(
+            actor_params=actor_params,
+            actor_opt=actor_opt,
+            critic_params=critic_params,
+            critic_opt=critic_opt,
+            **counters,
+        )
+        return new_state, metrics
 
     # ---- implementations ----
     def _per_sample(self, fn, params, batch: dict):
@@ -305,12 +423,12 @@ class Learner:
     def _actor_logprobs(self, params, tokens, attention_mask):
         return self._token_stats(params, tokens, attention_mask)[0]
 
-    def _old_logprobs_impl(self, state: TrainState, batch: dict, with_hidden: bool):
+    def _old_logprobs_impl(self, actor_params, batch: dict, with_hidden: bool):
         def fn(params, tokens, attention_mask):
             lp, _, _, hidden = self._token_stats(params, tokens, attention_mask)
             return (lp, hidden) if with_hidden else lp
 
-        return self._per_sample(fn, state.actor_params, batch)
+        return self._per_sample(fn, actor_params, batch)
 
     def _policy_micro_loss(self, old_params, num_samples, num_tokens):
         algo, hp = self.algorithm, self.hp
@@ -345,30 +463,34 @@ class Learner:
         def micro_loss(p, x):
             values = token_values(self.critic_graphdef, p, x["tokens"], x["attention_mask"])
             per_token, metrics = value_loss(
-                values, x["old_values"], x["returns"], x["mask"], self.hp.value_clip
+                values,
+                x["old_values"],
+                x["returns"],
+                x["mask"],
+                self.hp.value_clip,
+                scale=self.hp.value_loss_scale,
             )
             loss = reduce_loss(per_token, x["mask"], self.hp.reduction, num_samples, num_tokens)
             return loss, masked_metric_sums({"vf_clip_frac": metrics["vf_clip_frac"]}, x["mask"])
 
         return micro_loss
 
-    def _update_impl(self, state: TrainState, batch: dict):
-        algo, cfg = self.algorithm, self.cfg
-        mask = batch["response_mask"]
-        old_lp = batch["old_logprobs"]
-        has_critic = state.critic_params is not None
-        ref_lp = values = token_kl = None
-        if state.ref_params is not None:
-            ref_lp = self._per_sample(self._actor_logprobs, state.ref_params, batch)
-            token_kl = old_lp - ref_lp
-        if has_critic:
-            values = self._per_sample(
-                lambda p, t, a: token_values(self.critic_graphdef, p, t, a),
-                state.critic_params,
-                batch,
+    # ---- the three phases of one update (fused in `_update_impl`, or run one by one with
+    # offloading between them) ----
+    def _prepare_impl(self, ref_params, critic_params, batch: dict):
+        """Reference log-probs, critic values and the algorithm's advantages (and returns)."""
+        mask, old_lp = batch["response_mask"], batch["old_logprobs"]
+        out = {}
+        token_kl = values = None
+        if ref_params is not None:
+            out["ref_logprobs"] = self._per_sample(self._actor_logprobs, ref_params, batch)
+            token_kl = old_lp - out["ref_logprobs"]
+        if critic_params is not None:
+            values = out["values"] = self._per_sample(
+                lambda p, t, a: token_values(self.critic_graphdef, p, t, a), critic_params, batch
             )
-        estimator = adv_lib.ADVANTAGE_ESTIMATORS[algo.advantage]
-        advantages, returns = estimator(
+        estimator = adv_lib.ADVANTAGE_ESTIMATORS[self.algorithm.advantage]
+        out["advantages"], returns = estimator(
             adv_lib.AdvantageInputs(
                 scores=batch["scores"],
                 mask=mask,
@@ -376,22 +498,30 @@ class Learner:
                 values=values,
                 token_kl=token_kl,
             ),
-            cfg.advantage,
+            self.cfg.advantage,
         )
-        metrics = {"advantage_mean": adv_lib.masked_mean(advantages, mask)}
+        if returns is not None:
+            out["returns"] = returns
+        metrics = {"advantage_mean": adv_lib.masked_mean(out["advantages"], mask)}
+        if values is not None and returns is not None:
+            metrics["explained_variance"] = _explained_variance(values, returns, mask)
+        return out, metrics
 
-        # ---- policy: `updates_per_rollout` optimizer steps, each on its part of the batch ----
+    def _actor_impl(self, actor_params, actor_opt, batch: dict, prepared: dict):
+        """`updates_per_rollout` optimizer steps, each on its part of the batch. Returns
+        (params, opt state, first step applied, all steps applied, metrics)."""
+        cfg = self.cfg
         fields = {
             "tokens": batch["tokens"],
             "attention_mask": batch["attention_mask"],
-            "mask": mask,
-            "old_logprobs": old_lp,
+            "mask": batch["response_mask"],
+            "old_logprobs": batch["old_logprobs"],
             "behav_logprobs": batch["behav_logprobs"],
-            "advantages": advantages,
+            "advantages": prepared["advantages"],
             "sample": batch["sample_mask"],
         }
-        if ref_lp is not None:
-            fields["ref_logprobs"] = ref_lp
+        if "ref_logprobs" in prepared:
+            fields["ref_logprobs"] = prepared["ref_logprobs"]
         n = batch["tokens"].shape[0]
         plan = _step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size)
         k = plan.shape[1] // cfg.micro_batch_size
@@ -403,7 +533,7 @@ class Learner:
 
         parts = {name: gather(x) for name, x in fields.items()}
         # pi_old (Flow-DPPO): the actor parameters this update received, frozen for its steps
-        old_params = state.actor_params if algo.needs_old_policy_logits else None
+        old_params = actor_params if self.algorithm.needs_old_policy_logits else None
 
         def policy_step(carry, part):
             params, opt_state, ok = carry
@@ -422,69 +552,94 @@ class Learner:
         # The step loop is unrolled (a handful of steps): a scan would double-buffer its carry,
         # i.e. hold a second copy of the parameters and optimizer state. From the first step
         # with a non-finite loss or gradient norm on, no step is applied.
-        carry, per_step = (state.actor_params, state.actor_opt, jnp.bool_(True)), []
+        carry, per_step = (actor_params, actor_opt, jnp.bool_(True)), []
         first_ok = None
         for i in range(plan.shape[0]):
             carry, step_metrics = policy_step(carry, {k: v[i] for k, v in parts.items()})
             first_ok = carry[2] if first_ok is None else first_ok
             per_step.append(step_metrics)
-        actor_params, actor_opt, actor_ok = carry
-        metrics.update(
-            {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
+        params, opt_state, all_ok = carry
+        metrics = {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
+        return params, opt_state, first_ok, all_ok, metrics
+
+    def _critic_impl(self, critic_params, critic_opt, batch: dict, prepared: dict):
+        """`critic.steps_per_rollout` value-loss steps on the whole batch."""
+        cfg, mask = self.cfg, batch["response_mask"]
+        cbatch = _split_micro(
+            {
+                "tokens": batch["tokens"],
+                "attention_mask": batch["attention_mask"],
+                "mask": mask,
+                "old_values": prepared["values"],
+                "returns": prepared["returns"],
+            },
+            cfg.micro_batch_size,
         )
+        micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
 
-        critic_params, critic_opt = state.critic_params, state.critic_opt
-        critic_ok = jnp.bool_(True)
-        if has_critic:
-            cbatch = _split_micro(
-                {
-                    "tokens": batch["tokens"],
-                    "attention_mask": batch["attention_mask"],
-                    "mask": mask,
-                    "old_values": values,
-                    "returns": returns,
-                },
-                cfg.micro_batch_size,
-            )
-            micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
+        def critic_step(carry):
+            params, opt_state, ok = carry
+            grads, loss, sums = _accumulate(micro_loss, params, cbatch)
+            ok = ok & jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            params, opt_state = _apply_if(ok, self.critic_tx, grads, params, opt_state)
+            s, c = sums["vf_clip_frac"]
+            step_metrics = {
+                "value_loss": loss,
+                "vf_clip_frac": s / jnp.maximum(c, 1.0),
+                "critic_grad_norm": optax.tree.norm(grads),
+            }
+            return (params, opt_state, ok), step_metrics
 
-            def critic_step(carry, _):
-                params, opt_state, ok = carry
-                grads, loss, sums = _accumulate(micro_loss, params, cbatch)
-                ok = ok & jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-                params, opt_state = _apply_if(ok, self.critic_tx, grads, params, opt_state)
-                s, c = sums["vf_clip_frac"]
-                step_metrics = {
-                    "value_loss": loss,
-                    "vf_clip_frac": s / jnp.maximum(c, 1.0),
-                    "critic_grad_norm": optax.tree.norm(grads),
-                }
-                return (params, opt_state, ok), step_metrics
+        carry = (critic_params, critic_opt, jnp.bool_(True))
+        for _ in range(cfg.critic_steps):  # unrolled, as the policy steps
+            carry, metrics = critic_step(carry)
+        params, opt_state, ok = carry
+        return params, opt_state, ok, metrics
 
-            carry = (critic_params, critic_opt, jnp.bool_(True))
-            for _ in range(cfg.critic_steps):  # unrolled, as the policy steps
-                carry, critic_metrics = critic_step(carry, None)
-            critic_params, critic_opt, critic_ok = carry
-            metrics.update(critic_metrics)
-            metrics["explained_variance"] = _explained_variance(values, returns, mask)
-
+    @staticmethod
+    def _counters_impl(c: dict, first_ok, actor_ok, critic_ok) -> dict:
+        """The TrainState's counters after an update (`c`: `_counter_fields` of the state)."""
         skipped = ~(actor_ok & critic_ok)
+        return dict(
+            step=c["step"] + 1,
+            # the version counts applied policy changes: a skipped update keeps it
+            policy_version=c["policy_version"] + first_ok.astype(jnp.int32),
+            consecutive_skips=jnp.where(skipped, c["consecutive_skips"] + 1, 0),
+            skipped_updates=c["skipped_updates"] + skipped.astype(jnp.int32),
+            rng=jax.random.key_data(
+                jax.random.fold_in(jax.random.wrap_key_data(c["rng"]), c["step"])
+            ),
+        ), skipped
+
+    def _update_impl(self, state: TrainState, batch: dict):
+        prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch)
+        actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_impl(
+            state.actor_params, state.actor_opt, batch, prepared
+        )
+        metrics.update(actor_metrics)
+        critic_params, critic_opt, critic_ok = state.critic_params, state.critic_opt, True
+        if state.critic_params is not None:
+            critic_params, critic_opt, critic_ok, critic_metrics = self._critic_impl(
+                state.critic_params, state.critic_opt, batch, prepared
+            )
+            metrics.update(critic_metrics)
+        counters, skipped = self._counters_impl(
+            _counter_fields(state), first_ok, actor_ok, critic_ok
+        )
         metrics["skipped"] = skipped.astype(jnp.float32)
         new_state = state.replace(
             actor_params=actor_params,
             actor_opt=actor_opt,
             critic_params=critic_params,
             critic_opt=critic_opt,
-            step=state.step + 1,
-            # the version counts applied policy changes: a skipped update keeps it
-            policy_version=state.policy_version + first_ok.astype(jnp.int32),
-            consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0),
-            skipped_updates=state.skipped_updates + skipped.astype(jnp.int32),
-            rng=jax.random.key_data(
-                jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-            ),
+            **counters,
         )
         return new_state, metrics
+
+
+def _counter_fields(state: TrainState) -> dict:
+    names = ("step", "policy_version", "consecutive_skips", "skipped_updates", "rng")
+    return {name: getattr(state, name) for name in names}
 
 
 def _apply_if(ok, tx, grads, params, opt_state):

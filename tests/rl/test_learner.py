@@ -12,7 +12,7 @@ from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import Learner, LearnerConfig
+from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
 from jaxloop.train import build_critic
@@ -43,7 +43,17 @@ def _arrays(n=8, seq=12, prompt=4):
 class _Run:
     """A learner and its train state on one device."""
 
-    def __init__(self, name, micro, kl_coef=0.0, flow_delta=0.01, logits_chunk=0):
+    def __init__(
+        self,
+        name,
+        micro,
+        kl_coef=0.0,
+        flow_delta=0.01,
+        logits_chunk=0,
+        offload=None,
+        tx=None,
+        value_loss_scale=1.0,
+    ):
         algo = get_algorithm(name)
         actor = LoopedLM(CFG, rngs=nnx.Rngs(0))
         critic = build_critic(actor, 1) if algo.uses_critic else None
@@ -55,8 +65,8 @@ class _Run:
             AdvantageHParams(kl_coef=kl_coef),
             logits_chunk=logits_chunk,
         )
-        hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta)
-        tx = optax.sgd(0.5)
+        hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta, value_loss_scale=value_loss_scale)
+        tx = tx or optax.sgd(0.5)
         self.learner = Learner(
             nnx.graphdef(actor),
             None if critic is None else nnx.graphdef(critic),
@@ -65,6 +75,7 @@ class _Run:
             lcfg,
             tx,
             tx,
+            offload=offload or OffloadConfig(),
         )
         self.state = build_train_state(
             nnx.state(actor).to_pure_dict(),
@@ -75,6 +86,7 @@ class _Run:
         if kl_coef > 0:  # a reference that differs from the actor, so the KL term is non-zero
             ref = nnx.state(LoopedLM(CFG, rngs=nnx.Rngs(5))).to_pure_dict()
             self.state = self.state.replace(ref_params=ref)
+        self.state = self.learner.rest(self.state)
 
     def old_logprobs(self, arrays):
         return self.learner.old_logprobs(self.state, self.learner.place_batch(arrays.arrays()))
@@ -179,3 +191,44 @@ def test_chunked_vocabulary_equals_whole(name):
         chunked.state.actor_params,
     )
     assert max(jax.tree.leaves(diff)) <= 1e-6, diff
+
+
+@pytest.mark.parametrize("name, kl", [("ppo", 0.1), ("grpo", 0.1)])
+def test_offload_gives_the_same_update(name, kl):
+    """Critic, actor optimizer state and reference resting in pinned host memory (the update then
+    runs as three phases with moves between them): the same parameters and metrics as the fused
+    update, the offloaded parts back in host memory afterwards, and the moves measured."""
+    arrays = _arrays()
+    adam = optax.adam(1e-3)  # an optimizer state with per-parameter moments to move
+    plain = _Run(name, 4, kl, tx=adam)
+    moved = _Run(
+        name, 4, kl, tx=adam, offload=OffloadConfig(critic=True, optimizer=True, reference=True)
+    )
+    host = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}  # noqa: E731
+    assert host(moved.state.ref_params) == {"pinned_host"}
+    assert host(moved.state.actor_params) == {"device"}
+    for _ in range(2):
+        m_plain, m_moved = plain.update(arrays), moved.update(arrays)
+    for key in ("policy_loss", "grad_norm", "advantage_mean"):
+        assert abs(m_plain[key] - m_moved[key]) <= 1e-6 * max(1.0, abs(m_plain[key])), key
+    for field in ("actor_params", "critic_params", "actor_opt"):
+        a, b = getattr(plain.state, field), getattr(moved.state, field)
+        if a is None:
+            continue
+        diff = jax.tree.map(lambda x, y: float(jnp.abs(x - np.asarray(y)).max()), a, b)
+        assert max(jax.tree.leaves(diff), default=0.0) <= 1e-6, field
+    assert host(moved.state.actor_opt) == {"pinned_host"}
+    if moved.state.critic_params is not None:
+        assert host(moved.state.critic_params) == host(moved.state.critic_opt) == {"pinned_host"}
+    moves = moved.learner.last_moves
+    assert moves["offload_reference_to_device_gb"] > 0 and moves["offload_optimizer_to_host_s"] >= 0
+
+
+def test_value_loss_scale_reaches_the_critic_step():
+    """critic.loss_scale (LossHParams.value_loss_scale): 0.5 halves the first update's value loss
+    and its gradient (the reference stack's form is scale 1)."""
+    arrays = _arrays()
+    one, half = _Run("ppo", 8).update(arrays), _Run("ppo", 8, value_loss_scale=0.5).update(arrays)
+    assert one["value_loss"] > 0
+    np.testing.assert_allclose(half["value_loss"], 0.5 * one["value_loss"], rtol=1e-6)
+    np.testing.assert_allclose(half["critic_grad_norm"], 0.5 * one["critic_grad_norm"], rtol=1e-5)
