@@ -55,6 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.hf_dir = ""  # empty: the built-in tiny model from random init; else load_hf(hf_dir)
     c.model.init_checkpoint = ""  # a run dir written by `conversion.from_hf`
+    c.model.preset = ""  # a released model's shape (models/presets.py), random init
     c.model.family = "nanbeige"
     c.model.vocab_size = 64
     c.model.hidden_size = 64
@@ -216,6 +217,8 @@ DESCRIPTIONS = {
     "actor phase (during generation and the critic phase)",
     "offload.reference": "keep the reference policy in pinned host memory outside its log-prob "
     "phase",
+    "model.preset": "a released model's shape with random weights (nanbeige-3b, ouro-1.4b; "
+    "empty: the tiny keys below); hf_dir / init_checkpoint take precedence",
     "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
     "sequence); bounds the [B, chunk, V] logits held at once",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
@@ -512,6 +515,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.rollout.engine not in ("jax", "vllm"):
         raise UsageError(f"rollout.engine={cfg.rollout.engine!r}; expected 'jax' or 'vllm'")
+    if cfg.model.preset:
+        from jaxloop.models.presets import FULL_SIZE
+
+        if cfg.model.preset not in FULL_SIZE:
+            raise UsageError(
+                f"model.preset={cfg.model.preset!r}; expected one of {sorted(FULL_SIZE)} or ''"
+            )
     if cfg.model.hf_dir and not Path(cfg.model.hf_dir).is_dir():
         raise UsageError(f"model.hf_dir={cfg.model.hf_dir!r} is not a directory")
     if cfg.model.init_checkpoint and not Path(cfg.model.init_checkpoint).is_dir():

@@ -35,6 +35,7 @@ from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
 from jaxloop.models.hf_io import CheckpointError, abstract_model, read_hf_config
 from jaxloop.models.orbax_io import RunDirError, read_config, restore_model
+from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
@@ -75,7 +76,8 @@ class NonFiniteUpdateError(RuntimeError):
 
 # ---- building blocks from the config ----
 def actor_config(cfg) -> LoopedConfig:
-    """The actor's LoopedConfig: from model.hf_dir, model.init_checkpoint or the tiny keys."""
+    """The actor's LoopedConfig: from model.hf_dir, model.init_checkpoint, model.preset (a
+    released model's shape, random init) or the tiny keys."""
     m = cfg.model
     numerics = dict(
         param_dtype=m.param_dtype,
@@ -87,6 +89,8 @@ def actor_config(cfg) -> LoopedConfig:
         return read_hf_config(m.hf_dir)[0].replace(**numerics)
     if m.init_checkpoint:
         return read_config(m.init_checkpoint, "actor").replace(**numerics)
+    if m.preset:
+        return LoopedConfig.from_hf_dict(FULL_SIZE[m.preset]).replace(**numerics)
     overrides = dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
@@ -320,6 +324,18 @@ def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None):
     return RayRolloutClient(cfg, actor, settings)
 
 
+def device_memory(phase: str) -> dict[str, float]:
+    """GB in use on this process's first device after `phase`, and the process's peak so far
+    (from `device.memory_stats()`; empty where the backend has none, e.g. CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    out = {}
+    if "bytes_in_use" in stats:
+        out[f"device_gb_after_{phase}"] = stats["bytes_in_use"] / 1e9
+    if "peak_bytes_in_use" in stats:
+        out["device_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
+    return out
+
+
 class _NoMetrics:
     """Metrics sink of processes other than 0 (only process 0 writes metrics)."""
 
@@ -447,6 +463,7 @@ class Trainer:
         samples, stats = self.producer.produce(update)
         metrics.update(stats)
         metrics["time_generate"] = time.perf_counter() - t0
+        metrics.update(device_memory("generate"))
         if not samples:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
         batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
@@ -480,6 +497,7 @@ class Trainer:
                 f"{update - in_a_row}, last checkpoint: step {self.checkpointer.latest_step()}"
             )
         metrics["time_update"] = time.perf_counter() - t_update
+        metrics.update(device_memory("update"))
         t2 = time.perf_counter()
         publish = self.publish()
         metrics["time_publish"] = time.perf_counter() - t2
@@ -753,9 +771,9 @@ def _check_stored_shapes(item_dir: Path, abstract, run_dir, step, delete) -> Non
         key = jax.tree_util.keystr(path)
         got = stored.get(key)
         if got is None:
-            raise UsageError(
-                f"run dir {run_dir}: checkpoint {step} has no {item_dir.name}{key}: written for "
-                "another model (start a new run_dir to change it)"
+            raise RunDirError(
+                f"run dir {run_dir}: checkpoint {step} lacks {item_dir.name}{key}: it is corrupt "
+                f"or was written for another model ({delete})"
             )
         if tuple(got.shape) != tuple(leaf.shape) or jnp.dtype(got.dtype) != jnp.dtype(leaf.dtype):
             raise UsageError(

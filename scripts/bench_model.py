@@ -22,6 +22,7 @@ tokens = batch * seq. Remat recomputation is not counted (model FLOPs, not hardw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
@@ -35,6 +36,7 @@ from flax import nnx
 
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.presets import FULL_SIZE
+from jaxloop.parallel import mesh as shd
 
 TINY = {"tiny": "nanbeige", "tiny-ouro": "ouro"}
 
@@ -112,6 +114,13 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     p.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
     p.add_argument("--allow-cpu", action="store_true", help="run a full-size config on CPU")
+    p.add_argument(
+        "--path",
+        default="plain",
+        choices=["plain", "sharded"],
+        help="sharded: the trainer's path (parameters on a mesh of all local devices by their "
+        "logical axes, the batch over data x fsdp, activation constraints under jax.set_mesh)",
+    )
     return p.parse_args(argv)
 
 
@@ -136,6 +145,17 @@ def run(args) -> dict:
     assert per_layer == matmul_params_per_layer(model), (per_layer, matmul_params_per_layer(model))
     step, params = make_step(model)
     ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab_size)
+    context = contextlib.nullcontext()
+    if args.path == "sharded":
+        mesh = shd.make_mesh(fsdp=-1)
+        params = jax.device_put(params, shd.state_shardings(params, mesh))
+        ids = jax.device_put(ids, shd.batch_sharding(mesh))
+        context = jax.set_mesh(mesh)
+    with context:
+        return _time(args, cfg, model, step, params, ids, n_params, flops, per_layer, device)
+
+
+def _time(args, cfg, model, step, params, ids, n_params, flops, per_layer, device) -> dict:
 
     t0 = time.perf_counter()
     loss, grads = step(params, ids)
@@ -158,6 +178,7 @@ def run(args) -> dict:
         "dtype": args.dtype,
         "remat": args.remat,
         "attention": args.attention,
+        "path": args.path,
         "layers_x_loops": f"{cfg.num_layers}x{cfg.num_loops}",
         "params": n_params,
         "matmul_params_per_layer": per_layer,
