@@ -89,7 +89,13 @@ class LoopedConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{config_path} does not exist")
-        return cls.from_hf_dict(json.loads(config_path.read_text()), **overrides)
+        try:
+            hf = json.loads(config_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{config_path} is not a JSON object")
+        return cls.from_hf_dict(hf, **overrides)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json for export: every original key kept, head_dim explicit."""

@@ -88,8 +88,15 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
 def checkpoint_files(hf_dir: Path) -> list[Path]:
     index = hf_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [hf_dir / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{INDEX_FILE} names {missing[0]}, which is not in {hf_dir}")
+        return [hf_dir / f for f in names]
     if (hf_dir / SINGLE_FILE).is_file():
         return [hf_dir / SINGLE_FILE]
     raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -166,21 +173,9 @@ def load_hf(
     one parameter.
     """
     path = Path(path).resolve()
-    cfg, role = read_hf_config(path)
-    files = checkpoint_files(path)
-    headers = [_read_header(file) for file in files]
-    if dtype is None:
-        dtype = _first_float_dtype(files[0], headers[0])
-    cfg = cfg.replace(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
-    model = abstract_model(cfg, role)
-    graphdef, state = nnx.split(model)
-    flat = dict(nnx.to_flat_state(state))
-    targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
-    plan = _plan_reads(files, headers, targets, flat)
-    missing = [n for n in targets if n not in {e.name for _, entries in plan for e, _ in entries}]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"missing tensor {missing[0]}{more} in {path}")
+    dtype, headers, graphdef, flat, targets, plan = _plan_load(
+        path, dtype, compute_dtype, config_overrides
+    )
     pending = collections.Counter(t.path for t in targets.values())
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -201,6 +196,34 @@ def load_hf(
                     if pending[t.path] == 0:
                         var.set_value(_place(buffers.pop(t.path), var, mesh))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def check_hf_dir(path: str | Path) -> None:
+    """Every check load_hf makes before it reads tensor data: config.json, the index and the
+    files it names, each file's header (well-formed, offsets inside the file), tensor names,
+    shapes and dtypes. Reads headers only; raises ConfigError / CheckpointError."""
+    _plan_load(Path(path).resolve(), None, None, {})
+
+
+def _plan_load(path: Path, dtype, compute_dtype, config_overrides: dict):
+    """(dtype, headers, graphdef, flat abstract state, targets, read plan) of load_hf, from the
+    config and the file headers alone."""
+    cfg, role = read_hf_config(path)
+    files = checkpoint_files(path)
+    headers = [_read_header(file) for file in files]
+    if dtype is None:
+        dtype = _first_float_dtype(files[0], headers[0])
+    cfg = cfg.replace(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
+    model = abstract_model(cfg, role)
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
+    plan = _plan_reads(files, headers, targets, flat)
+    missing = [n for n in targets if n not in {e.name for _, entries in plan for e, _ in entries}]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more} in {path}")
+    return dtype, headers, graphdef, flat, targets, plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +276,11 @@ def _plan_reads(files: list[Path], headers: list, targets: dict, flat: dict) -> 
             want = hf_shape(t.layout, full_shape[1:] if t.layer is not None else full_shape)
             if e.shape != want:
                 raise CheckpointError(f"tensor {e.name} has shape {e.shape}, expected {want}")
+            if not jnp.issubdtype(e.dtype, jnp.floating):
+                raise CheckpointError(
+                    f"tensor {e.name} in {file.name} has dtype {e.dtype}; weights must be "
+                    "floating point (F32, F16, BF16, F64)"
+                )
             reads.append((e, t))
         plan.append((file, sorted(reads, key=lambda r: r[0].offset)))
     return plan
@@ -317,9 +345,10 @@ def _place(buffer: np.ndarray, var, mesh: jax.sharding.Mesh | None) -> jax.Array
 
 
 def _first_float_dtype(file: Path, entries: list[_Entry]) -> str:
-    if entries:
-        return str(jnp.dtype(entries[0].dtype))
-    raise CheckpointError(f"{file} holds no tensors")
+    for entry in entries:
+        if jnp.issubdtype(entry.dtype, jnp.floating):
+            return str(jnp.dtype(entry.dtype))
+    raise CheckpointError(f"{file} holds no floating-point tensors")
 
 
 # ---- export

@@ -20,11 +20,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxloop.parallel import mesh as shd
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
 from jaxloop.models.looped import LoopedLM
+from jaxloop.parallel import mesh as shd
 from jaxloop.rollout.engine import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
@@ -94,8 +94,8 @@ def _generate(
         token = token.astype(jnp.int32)
         return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
 
-    def body(step, carry):
-        cache, logits, tokens, logprobs, done = carry
+    def body(carry):
+        step, cache, logits, tokens, logprobs, done = carry
         token, lp = pick(logits, step)
         token = jnp.where(done, 0, token)
         tokens = tokens.at[:, step].set(token)
@@ -104,14 +104,17 @@ def _generate(
         out = model.forward(
             token[:, None], attention_mask=jnp.ones((batch, 1), jnp.bool_), cache=cache
         )
-        return out.cache, out.logits[:, -1], tokens, logprobs, done
+        return step + 1, out.cache, out.logits[:, -1], tokens, logprobs, done
 
     tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
     logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
     done = jnp.zeros((batch,), jnp.bool_)
-    carry = (out.cache, last_logits, tokens, logprobs, done)
-    # the last step's forward is wasted work; keeping the loop uniform keeps one compiled body
-    _, _, tokens, logprobs, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
+    carry = (jnp.int32(0), out.cache, last_logits, tokens, logprobs, done)
+    # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
+    # already); the last step's forward is wasted work, kept for one uniform compiled body
+    _, _, _, tokens, logprobs, _ = jax.lax.while_loop(
+        lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[5]), body, carry
+    )
     return tokens, logprobs
 
 

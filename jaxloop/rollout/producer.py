@@ -21,6 +21,10 @@ class PromptTooLongError(DataError):
     """A prompt does not fit in data.max_prompt_tokens."""
 
 
+class RewardError(DataError):
+    """A reward function returned something that is not a number."""
+
+
 def derive_seed(*parts: int) -> int:
     """A per-sample seed from (config seed, update, sample index): no global RNG state."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
@@ -70,8 +74,11 @@ class RolloutProducer:
             raise DataError(f"data source {settings.data.get('source')!r} is empty")
         self.eval_examples = make_eval_examples(settings.data, settings.eval_prompts)
         # fail before anything is written: every known prompt must fit the context
-        for example in getattr(self.source, "examples", []) + self.eval_examples:
+        known = getattr(self.source, "examples", []) + self.eval_examples
+        for example in known:
             self.encode(example.prompt)
+        for example in known[:1]:  # and the reward returns a number (its label as the response)
+            self.score(example.label, example.label)
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
         )
@@ -100,6 +107,21 @@ class RolloutProducer:
                 f"{self.settings.max_prompt_tokens}: {prompt[:40]!r}"
             )
         return tuple(ids)
+
+    def score(self, response: str, label: str) -> float:
+        """The reward as a float (NaN / inf pass: `produce` drops and counts them); anything
+        that is not a number raises RewardError naming the reward function."""
+        value = self.reward_fn(response, label)
+        try:
+            if isinstance(value, str | bytes) or value is None:
+                raise TypeError
+            return float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward function {self.settings.reward!r} returned {repr(value)[:40]} "
+                f"({type(value).__name__}) for response {response[:20]!r}; a reward must be a "
+                "number"
+            ) from None
 
     def response_text(self, sample: Sample) -> str:
         ids = sample.response_ids[:-1] if sample.finish_reason == "stop" else sample.response_ids
@@ -137,7 +159,7 @@ class RolloutProducer:
         if not requests:
             return np.zeros((0, k), np.float64)
         samples = self.engine.generate(requests, sampling)
-        rewards = [float(self.reward_fn(self.response_text(s), s.label)) for s in samples]
+        rewards = [self.score(self.response_text(s), s.label) for s in samples]
         return np.asarray(rewards, np.float64).reshape(len(self.eval_examples), k)
 
     def requests(self, update: int) -> list[PromptRequest]:
@@ -167,7 +189,7 @@ class RolloutProducer:
         kept, dropped = [], 0
         for sample in samples:
             sample.response_text = self.response_text(sample)
-            sample.reward = float(self.reward_fn(sample.response_text, sample.label))
+            sample.reward = self.score(sample.response_text, sample.label)
             if math.isfinite(sample.reward):
                 kept.append(sample)
             else:

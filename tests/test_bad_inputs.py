@@ -1,0 +1,586 @@
+"""The bad-input catalogue: `python -m jaxloop.train` given a bad input prints one line on stderr
+(`error: ...`), exits with code 2 and writes nothing: a new run dir is not created, an existing
+run dir (checkpoints, metrics.jsonl, configs) is untouched, and nothing else under the test's
+directory changes (the inputs included).
+
+Each row of CATALOGUE: an id, a setup (returns the extra command-line arguments; it may build
+input files and an existing run dir), and the text the one line contains. Rows marked `dry` are
+also checked with --dry-run (their check runs before a model is built). A few rows are checked
+once more in a fresh process (the real stderr, not capsys). NaN / inf rewards are not errors:
+they are dropped and counted (the last test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
+from jaxloop.models.hf_io import read_safetensors, write_safetensors
+from jaxloop.train import main, resume_changes_math
+from tests.train.helpers import TINY
+
+ALGO = "ppo"
+# the base run: 2 of 3 updates done (checkpoints 1 and 2), so that a rerun resumes
+BASE = (
+    *TINY,
+    "--config.total_updates=3",
+    "--config.checkpoint_every=1",
+    "--config.keep_checkpoints=5",
+    "--config.rollout.max_new_tokens=2",
+    "--config.data.reward=tests.train.rewards:char_code_reward",
+)
+
+
+# ---- rewards used by the rows ----
+def text_reward(response: str, label: str):
+    return "yes"
+
+
+def none_reward(response: str, label: str):
+    return None
+
+
+def nan_or_inf_reward(response: str, label: str) -> float:
+    code = ord(response[0]) % 3 if response else 2
+    return (float("nan"), float("inf"), 1.0)[code]
+
+
+# ---- shared inputs, built once ----
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    """A ppo run dir stopped after 2 of 3 updates."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    args = ["--config", f"{ALGO}.py", *BASE, f"--config.run_dir={run_dir}"]
+    assert main([*args, "--config.stop_after=2"]) == 0
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A valid tiny HF dir (one file) and a sharded one (an index and several files)."""
+    root = tmp_path_factory.mktemp("hf")
+    hf = tiny_hf_config("nanbeige", num_hidden_layers=1, intermediate_size=64)
+    model = LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
+    single = save_hf(model, root / "single", dtype="float32")
+    sharded = save_hf(model, root / "sharded", dtype="float32", max_shard_size="8KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    return {"single": Path(single), "sharded": Path(sharded)}
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What a row's setup gets: a fresh directory, the run dir to use, the shared inputs."""
+
+    root: Path
+    run_dir: Path
+    base_run: Path
+    hf_dirs: dict
+    monkeypatch: pytest.MonkeyPatch
+
+    def existing_run(self) -> Path:
+        shutil.copytree(self.base_run, self.run_dir)
+        return self.run_dir
+
+    def hf_copy(self, which: str = "single") -> Path:
+        dest = self.root / f"hf_{which}"
+        shutil.copytree(self.hf_dirs[which], dest)
+        return dest
+
+    def data(self, text: str, name: str = "prompts.jsonl") -> Path:
+        path = self.root / name
+        path.write_text(text)
+        return path
+
+
+def _hf(ctx: Ctx, mutate: Callable[[Path], None], which: str = "single") -> list[str]:
+    path = ctx.hf_copy(which)
+    mutate(path)
+    return [f"--config.model.hf_dir={path}"]
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _rewrite_tensor(path: Path, fn) -> None:
+    file = path / "model.safetensors"
+    tensors = {name: np.array(arr) for name, arr in read_safetensors(file)}
+    name = sorted(tensors)[0]
+    tensors[name] = fn(tensors[name])
+    if tensors[name] is None:
+        del tensors[name]
+    write_safetensors(file, tensors)
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(path.glob("model-*.safetensors"))
+
+
+def _first_file(path: Path) -> Path:
+    return sorted(p for p in path.iterdir() if p.is_file())[0]
+
+
+def _cut_tail(file: Path, nbytes: int) -> None:
+    file.write_bytes(file.read_bytes()[:-nbytes])
+
+
+def _truncate(file: Path, keep: float) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+def _corrupt_header(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[8:40] = b"\xff" * 32
+    file.write_bytes(bytes(data))
+
+
+def _resume(*args: str):
+    def setup(ctx: Ctx) -> list[str]:
+        ctx.existing_run()
+        return list(args)
+
+    return setup
+
+
+def _resume_mutated(mutate: Callable[[Path], None], *args: str):
+    def setup(ctx: Ctx) -> list[str]:
+        mutate(ctx.existing_run())
+        return list(args)
+
+    return setup
+
+
+def _drop_run_configs(run_dir: Path) -> None:
+    """A run dir without the config files of its first start (written by an older version, or
+    assembled by hand): only the checkpoint itself tells what it holds."""
+    for name in ("config.json", "actor_config.json", "critic_config.json"):
+        (run_dir / name).unlink()
+
+
+def _simulate_write_error(code: int):
+    """Writes of the run dir's write probe fail with `code` (a read-only or full file system)."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        real_open = os.open
+
+        def failing_open(path, flags, *args, **kwargs):
+            if ".jaxloop-write-probe" in str(path):
+                raise OSError(code, os.strerror(code), str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        ctx.monkeypatch.setattr(os, "open", failing_open)
+        return []
+
+    return setup
+
+
+def _existing_and(setup):
+    def both(ctx: Ctx) -> list[str]:
+        ctx.existing_run()
+        return setup(ctx)
+
+    return both
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    setup: Callable[[Ctx], list[str]]
+    message: str
+    dry: bool = False  # also checked with --dry-run
+    algorithm: str = ALGO
+
+
+def _args(*args: str):
+    return lambda ctx: list(args)
+
+
+CATALOGUE = [
+    # ---- config
+    Row("unknown key", _args("--config.nope=1"), "unknown config key 'nope'", dry=True),
+    Row("unknown nested key", _args("--config.model.nope=1"), "'model.nope'", dry=True),
+    Row("wrong type (int)", _args("--config.total_updates=many"), "expected an integer", True),
+    Row("wrong type (bool)", _args("--config.progress=maybe"), "expected a boolean", True),
+    Row(
+        "grpo with one sample per prompt",
+        _args("--config.n_samples_per_prompt=1"),
+        "needs n_samples_per_prompt >= 2",
+        dry=True,
+        algorithm="grpo",
+    ),
+    Row(
+        "top_p < 1 in a training rollout",
+        _args("--config.rollout.top_p=0.9"),
+        "must sample the full distribution",
+        dry=True,
+    ),
+    Row(
+        "mesh larger than the devices",
+        _args("--config.mesh.fsdp=16"),
+        "= 16 devices, but 8 are available",
+    ),
+    Row(
+        "mesh.tensor not dividing the heads",
+        _args("--config.mesh.fsdp=1", "--config.mesh.tensor=8"),
+        "mesh.tensor=8 does not divide the model's query heads (4)",
+    ),
+    Row(
+        "micro-batch not divisible by data x fsdp",
+        _args("--config.micro_batch_size=4"),
+        "micro_batch_size=4 is not divisible by mesh data x fsdp = 8",
+    ),
+    # ---- HF dirs
+    Row(
+        "HF dir without config.json",
+        lambda ctx: _hf(ctx, lambda p: (p / "config.json").unlink()),
+        "config.json does not exist",
+        dry=True,
+    ),
+    Row(
+        "HF config.json not JSON",
+        lambda ctx: _hf(ctx, lambda p: (p / "config.json").write_text("{vocab_size: 64")),
+        "config.json is not valid JSON",
+        dry=True,
+    ),
+    Row(
+        "corrupted safetensors header",
+        lambda ctx: _hf(ctx, lambda p: _corrupt_header(p / "model.safetensors")),
+        "model.safetensors:",
+        dry=True,
+    ),
+    Row(
+        "truncated shard",
+        lambda ctx: _hf(ctx, lambda p: _cut_tail(_shards(p)[1], 16), "sharded"),
+        "data offsets out of range",
+        dry=True,
+    ),
+    Row(
+        "index naming a missing file",
+        lambda ctx: _hf(ctx, lambda p: _shards(p)[2].unlink(), "sharded"),
+        ".safetensors, which is not in",
+        dry=True,
+    ),
+    Row(
+        "integer weights (wrong dtype)",
+        lambda ctx: _hf(ctx, lambda p: _rewrite_tensor(p, lambda a: a.astype(np.int32))),
+        "has dtype int32; weights must be floating point",
+        dry=True,
+    ),
+    Row(
+        "a missing tensor",
+        lambda ctx: _hf(ctx, lambda p: _rewrite_tensor(p, lambda a: None)),
+        "missing tensor",
+        dry=True,
+    ),
+    Row(
+        "a tensor of the wrong shape",
+        lambda ctx: _hf(ctx, lambda p: _rewrite_tensor(p, lambda a: a[..., :1])),
+        "expected",
+        dry=True,
+    ),
+    Row(
+        "unsupported architecture (model_type)",
+        lambda ctx: _hf(ctx, lambda p: _edit_config(p, model_type="mistral")),
+        "model_type='mistral' is not supported",
+        dry=True,
+    ),
+    Row(
+        "unsupported architecture key (tied embeddings)",
+        lambda ctx: _hf(ctx, lambda p: _edit_config(p, tie_word_embeddings=True)),
+        "tie_word_embeddings=true is not implemented",
+        dry=True,
+    ),
+    # ---- datasets
+    Row(
+        "empty dataset",
+        lambda ctx: [f"--config.data.source={ctx.data('')}"],
+        "no rows",
+        dry=True,
+    ),
+    Row(
+        "malformed JSONL line",
+        lambda ctx: [
+            "--config.data.source="
+            + str(ctx.data('{"prompt": "a", "label": "b"}\n\n{"prompt": "c", "label":\n'))
+        ],
+        "line 3 is not valid JSON",
+        dry=True,
+    ),
+    Row(
+        "missing field",
+        lambda ctx: [
+            "--config.data.source="
+            + str(ctx.data('{"prompt": "a", "label": "b"}\n{"prompt": "c"}\n'))
+        ],
+        "line 2 is missing field(s) ['label']",
+        dry=True,
+    ),
+    Row(
+        "prompt longer than data.max_prompt_tokens",
+        _args("--config.data.max_prompt_tokens=3"),
+        "longer than data.max_prompt_tokens=3",
+        dry=True,
+    ),
+    Row(
+        "tokenizer vocabulary larger than the model's",
+        lambda ctx: [f"--config.data.tokenizer={_hf_tokenizer(ctx.root / 'tok')}"],
+        "more than the model's vocabulary of 64",
+        dry=True,
+    ),
+    Row(
+        "unsupported data file type",
+        lambda ctx: [f"--config.data.source={ctx.data('prompt,label', 'p.csv')}"],
+        "unsupported data file type '.csv'",
+        dry=True,
+    ),
+    # ---- checkpoints (an existing run dir, resumed)
+    Row(
+        "checkpoint of another model shape",
+        _resume("--config.model.hidden_size=64"),
+        "was started with model.hidden_size=32; this run has model.hidden_size=64",
+    ),
+    Row(
+        "checkpoint of another model shape (no config files)",
+        _resume_mutated(_drop_run_configs, "--config.model.hidden_size=64"),
+        "of shape (1, 64, 32) float32; this model has (1, 64, 64)",
+    ),
+    Row(
+        "checkpoint of another algorithm",
+        _resume(),
+        "was started with algorithm='ppo'; this run has algorithm='grpo'",
+        algorithm="grpo",
+    ),
+    Row(
+        "checkpoint of another algorithm (no config files)",
+        _resume_mutated(_drop_run_configs),
+        "holds critic_opt, critic_params, which a grpo run does not have",
+        algorithm="grpo",
+    ),
+    Row(
+        "half-written checkpoint (an item missing)",
+        _resume_mutated(lambda r: shutil.rmtree(r / "checkpoints" / "2" / "train_state")),
+        "checkpoint 2 is incomplete: it lacks train_state",
+    ),
+    Row(
+        "half-written checkpoint (counters cut short)",
+        _resume_mutated(lambda r: _truncate(r / "checkpoints/2/train_state/metadata", 0.5)),
+        "checkpoint 2 is corrupt: its train_state is unreadable",
+    ),
+    Row(
+        "corrupt checkpoint metadata",
+        _resume_mutated(lambda r: _corrupt_header(r / "checkpoints/2/actor_params/_METADATA")),
+        "checkpoint 2 is corrupt: actor_params metadata is unreadable",
+    ),
+    Row(
+        "truncated array data in the newest checkpoint",
+        _resume_mutated(lambda r: _truncate(_first_file(r / "checkpoints/2/actor_params/d"), 0.5)),
+        "checkpoint 2 lacks actor_params['blocks']['down_proj']: it is corrupt",
+    ),
+    # ---- resume with a config that changes the math (keys that do not are allowed: below)
+    Row(
+        "resume changing the model's dtype",
+        _resume("--config.model.param_dtype=bfloat16"),
+        "model.param_dtype='float32'; this run has model.param_dtype='bfloat16' (start a new",
+    ),
+    Row(
+        "resume changing a loss hyper-parameter",
+        _resume("--config.algo.clip_eps=0.3"),
+        "was started with algo.clip_eps=0.2; this run has algo.clip_eps=0.3",
+    ),
+    Row(
+        "resume changing the learning rate",
+        _resume("--config.optim.lr=0.01"),
+        "was started with optim.lr=0.001; this run has optim.lr=0.01",
+    ),
+    Row(
+        "resume changing the seed",
+        _resume("--config.seed=1"),
+        "was started with seed=0; this run has seed=1",
+    ),
+    Row(
+        "resume changing the data",
+        _resume("--config.data.num_digits=5"),
+        "was started with data.num_digits=4; this run has data.num_digits=5",
+    ),
+    # ---- the run dir cannot be written
+    Row(
+        "read-only run dir (simulated)",
+        _existing_and(_simulate_write_error(errno.EROFS)),
+        "is not writable: Read-only file system",
+    ),
+    Row(
+        "full disk (simulated)",
+        _simulate_write_error(errno.ENOSPC),
+        "is not writable: No space left on device",
+    ),
+    Row(
+        "run_dir is a file",
+        lambda ctx: (ctx.run_dir.write_text("not a dir"), [])[1],
+        "exists and is not a directory",
+    ),
+    # ---- rewards
+    Row(
+        "reward returning text",
+        _args("--config.data.reward=tests.test_bad_inputs:text_reward"),
+        "reward function 'tests.test_bad_inputs:text_reward' returned 'yes' (str)",
+        dry=True,
+    ),
+    Row(
+        "reward returning None",
+        _args("--config.data.reward=tests.test_bad_inputs:none_reward"),
+        "returned None (NoneType)",
+        dry=True,
+    ),
+    Row(
+        "reward function that does not exist",
+        _args("--config.data.reward=tests.test_bad_inputs:no_such_reward"),
+        "cannot import reward function",
+        dry=True,
+    ),
+]
+
+
+def _hf_tokenizer(path: Path) -> Path:
+    from tests.data.test_tokenizer import _build_hf_tokenizer
+
+    return _build_hf_tokenizer(path)
+
+
+def _snapshot(root: Path) -> list:
+    """(path, size, mtime) of everything under root: any write shows."""
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    )
+
+
+def _check(row: Row, tmp_path, capsys, monkeypatch, base_run, hf_dirs, dry_run: bool):
+    ctx = Ctx(tmp_path, tmp_path / "run", base_run, hf_dirs, monkeypatch)
+    extra = row.setup(ctx)
+    existed = ctx.run_dir.exists()
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    argv = ["--config", f"{row.algorithm}.py", *BASE, f"--config.run_dir={ctx.run_dir}", *extra]
+    code = main(argv + (["--dry-run"] if dry_run else []))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == "", (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert row.message in lines[0], lines[0]
+    assert ctx.run_dir.exists() == existed
+    assert _snapshot(tmp_path) == before  # nothing written, nothing touched
+    return lines[0]
+
+
+@pytest.mark.parametrize("row", CATALOGUE, ids=[r.id for r in CATALOGUE])
+def test_bad_input(row, tmp_path, capsys, monkeypatch, base_run, hf_dirs):
+    _check(row, tmp_path, capsys, monkeypatch, base_run, hf_dirs, dry_run=False)
+
+
+DRY = [r for r in CATALOGUE if r.dry]
+
+
+@pytest.mark.parametrize("row", DRY, ids=[r.id for r in DRY])
+def test_bad_input_dry_run(row, tmp_path, capsys, monkeypatch, base_run, hf_dirs):
+    _check(row, tmp_path, capsys, monkeypatch, base_run, hf_dirs, dry_run=True)
+
+
+def test_catalogue_size():
+    assert len(CATALOGUE) >= 25
+    assert len({r.id for r in CATALOGUE}) == len(CATALOGUE)
+
+
+IN_A_FRESH_PROCESS = [
+    "checkpoint of another algorithm",
+    "corrupt checkpoint metadata",
+    "truncated shard",
+    "reward returning text",
+]
+
+
+@pytest.mark.parametrize("row_id", IN_A_FRESH_PROCESS)
+def test_bad_input_in_a_fresh_process(row_id, tmp_path, monkeypatch, base_run, hf_dirs):
+    """The real stderr of `python -m jaxloop.train` (no capture, every logger): one line."""
+    row = next(r for r in CATALOGUE if r.id == row_id)
+    ctx = Ctx(tmp_path, tmp_path / "run", base_run, hf_dirs, monkeypatch)
+    extra = row.setup(ctx)
+    before = _snapshot(tmp_path)
+    argv = ["--config", f"{row.algorithm}.py", *BASE, f"--config.run_dir={ctx.run_dir}", *extra]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.train", *argv], capture_output=True, text=True
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert len(lines) == 1 and row.message in lines[0], proc.stderr[-2000:]
+    assert _snapshot(tmp_path) == before
+
+
+# ---- what a resume may change, and what it may not ----
+def test_resume_with_keys_that_do_not_change_the_math(tmp_path, base_run):
+    """Evaluation, checkpointing, logging, micro-batching and the mesh may change on resume."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    code = main(
+        ["--config", f"{ALGO}.py", *BASE, f"--config.run_dir={run_dir}"]
+        + ["--config.eval_every=5", "--config.keep_checkpoints=4", "--config.verbose=true"]
+        + ["--config.mesh.fsdp=4", "--config.mesh.data=2", "--config.micro_batch_size=8"]
+    )
+    assert code == 0
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2", "3"]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["update"] for r in rows] == [0, 1, 2]
+
+
+def test_which_keys_change_the_math():
+    from jaxloop.config import base_config, flat_items
+
+    cfg = base_config()
+    free = {k for k, _ in flat_items(cfg) if not resume_changes_math(cfg, k)}
+    assert {"eval_every", "progress", "micro_batch_size", "mesh.fsdp", "total_updates"} <= free
+    assert {"rollout.engine", "model.remat", "dist.num_processes"} <= free
+    for key in ("seed", "algorithm", "model.hidden_size", "model.param_dtype", "optim.lr"):
+        assert resume_changes_math(cfg, key), key
+    for key in ("algo.clip_eps", "critic.lr", "data.source", "rollout.temperature"):
+        assert resume_changes_math(cfg, key), key
+    assert resume_changes_math(cfg, "prompts_per_update")
+    # total_updates shapes a decaying learning-rate schedule; critic keys need a critic
+    with cfg.unlocked():
+        cfg.optim.schedule = "cosine"
+        cfg.algorithm = "grpo"
+    assert resume_changes_math(cfg, "total_updates")
+    assert not resume_changes_math(cfg, "critic.lr")
+
+
+# ---- NaN / inf rewards: dropped and counted, not errors ----
+def test_non_finite_rewards_are_dropped_and_counted(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(
+        ["--config", f"{ALGO}.py", *BASE, f"--config.run_dir={run_dir}"]
+        + [
+            "--config.total_updates=2",
+            "--config.data.reward=tests.test_bad_inputs:nan_or_inf_reward",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["dropped_samples"] + row["num_samples"] == 8
+        assert math.isfinite(row["reward_mean"]) and math.isfinite(row["policy_loss"])
+    assert sum(r["dropped_samples"] for r in rows) > 0
