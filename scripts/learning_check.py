@@ -6,9 +6,11 @@
 
 `default` is each config's own task and settings (the README's default job); `NAME[:DIGITS]`
 trains on built-in task NAME with DIGITS digits (default 3), rollout.max_new_tokens = the longest
-answer + 1 (room for EOS) and, for the multi-token tasks, the `format` reward. Every other
-argument goes to `jaxloop.train`. After each run `jaxloop.evaluate --reward exact_match` scores
-its final checkpoint (column `exact`: the fraction of exactly right greedy answers).
+answer (add --config.rollout.max_new_tokens=... for room for EOS) and, for the multi-token tasks,
+the `format` reward and lr 2e-3 (the settings of the README's table). Every other argument goes
+to `jaxloop.train` (after these, so it wins). After each run `jaxloop.evaluate --reward
+exact_match` scores its final checkpoint (column `exact`: the fraction of exactly right greedy
+answers).
 
 Prints a table (algorithm x task: eval reward at update 0, final, exact, minutes) and one JSON
 line. Exit code 1 if any run misses the bar (initial eval reward <= 0.2 and final >= 0.8) or
@@ -38,10 +40,10 @@ def task_overrides(spec: str) -> list[str]:
     out = [
         f"--config.data.task={task.name}",
         f"--config.data.num_digits={task.num_digits}",
-        f"--config.rollout.max_new_tokens={task.max_answer_tokens + 1}",
+        f"--config.rollout.max_new_tokens={task.max_answer_tokens}",
     ]
     if task.name in MULTI_TOKEN_TASKS:
-        out.append("--config.data.reward=format")
+        out += ["--config.data.reward=format", "--config.optim.lr=2e-3"]
     return out
 
 
