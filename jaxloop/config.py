@@ -361,6 +361,35 @@ def format_tree(cfg: ml_collections.ConfigDict, base: ml_collections.ConfigDict 
     return "\n".join(lines)
 
 
+def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collections.ConfigDict:
+    """`algorithm` at a released model's shape on one H200 (configs/nanbeige_3b_*.py): fp32
+    master weights, bf16 compute, full remat, the LM head over chunks of 1024 positions, what the
+    phase at work does not use offloaded to pinned host memory (scripts/plan_memory.py --offload
+    critic,optimizer,reference: every phase of every algorithm under 141 GB), the embedded
+    sampler, 8 prompts x 4 samples of up to 256 tokens, 2 updates."""
+    c = base_config()
+    c.algorithm = algorithm
+    c.run_dir = f"runs/{preset.replace('-', '_')}_{algorithm}"
+    c.model.preset = preset
+    c.model.param_dtype = "float32"
+    c.model.compute_dtype = "bfloat16"
+    c.model.remat = "full"
+    c.model.logits_chunk = 1024
+    c.offload.critic = c.offload.optimizer = c.offload.reference = True
+    c.prompts_per_update = 8
+    c.n_samples_per_prompt = 4
+    c.micro_batch_size = 4
+    c.eval_prompts = 8
+    c.eval_every = 1000
+    c.rollout.max_new_tokens = 256
+    c.data.max_prompt_tokens = 64
+    c.total_updates = 2
+    c.checkpoint_every = 1000
+    c.optim.lr = 1e-6
+    c.critic.lr = 1e-6
+    return c
+
+
 def resolve_config_path(name: str) -> Path:
     path = Path(name)
     if path.is_file():

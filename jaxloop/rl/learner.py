@@ -385,16 +385,9 @@ class Learner:
             if off["critic"]:
                 critic_params = self._move("critic", critic_params, "pinned_host", True)
                 critic_opt = self._move("critic", critic_opt, "pinned_host", True)
-        counters, skipped = self._counters(_counter_fields(state), first_ok, actor_ok, critic_ok)
-        metrics["skipped"] = skipped.astype(jnp.float32)
-        new_state = state.replace(
-            actor_params=actor_params,
-            actor_opt=actor_opt,
-            critic_params=critic_params,
-            critic_opt=critic_opt,
-            **counters,
-        )
-        return new_state, metrics
+        counted = self._counters(_counter_fields(state), first_ok, actor_ok, critic_ok)
+        trained = (actor_params, actor_opt, critic_params, critic_opt)
+        return _next_state(state, trained, counted, metrics)
 
     # ---- implementations ----
     def _per_sample(self, fn, params, batch: dict):
@@ -623,18 +616,25 @@ class Learner:
                 state.critic_params, state.critic_opt, batch, prepared
             )
             metrics.update(critic_metrics)
-        counters, skipped = self._counters_impl(
-            _counter_fields(state), first_ok, actor_ok, critic_ok
-        )
-        metrics["skipped"] = skipped.astype(jnp.float32)
-        new_state = state.replace(
-            actor_params=actor_params,
-            actor_opt=actor_opt,
-            critic_params=critic_params,
-            critic_opt=critic_opt,
-            **counters,
-        )
-        return new_state, metrics
+        counted = self._counters_impl(_counter_fields(state), first_ok, actor_ok, critic_ok)
+        trained = (actor_params, actor_opt, critic_params, critic_opt)
+        return _next_state(state, trained, counted, metrics)
+
+
+def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict):
+    """The state after an update: trained (actor params, actor opt, critic params, critic opt),
+    counted (the new counters, whether the update was skipped)."""
+    counters, skipped = counted
+    metrics["skipped"] = skipped.astype(jnp.float32)
+    actor_params, actor_opt, critic_params, critic_opt = trained
+    new_state = state.replace(
+        actor_params=actor_params,
+        actor_opt=actor_opt,
+        critic_params=critic_params,
+        critic_opt=critic_opt,
+        **counters,
+    )
+    return new_state, metrics
 
 
 def _counter_fields(state: TrainState) -> dict:
