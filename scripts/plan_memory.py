@@ -184,7 +184,11 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
         return out
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
-        old = learner._old_logprobs.lower(state.actor_params, batch, False).compile().memory_analysis()
+        old = (
+            learner._old_logprobs.lower(state.actor_params, batch, False)
+            .compile()
+            .memory_analysis()
+        )
         full = {**batch, "old_logprobs": batch["response_mask"]}
         upd = learner._update.lower(state, full).compile().memory_analysis()
         out["compile_s"] = round(time.perf_counter() - t0, 1)
