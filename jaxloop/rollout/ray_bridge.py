@@ -31,6 +31,7 @@ The trainer process never imports torch or vLLM: vLLM is imported inside the eng
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -46,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -64,6 +65,10 @@ _ENV_PREFIXES = ("JAX_", "XLA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 
 class EngineFailedError(RuntimeError):
     """An engine actor kept dying (or could not be started) beyond the restart limit."""
+
+
+class ManagerFailedError(RuntimeError):
+    """The rollout manager actor died again right after it was replaced."""
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -265,19 +270,22 @@ class EngineActor:
         digest: str | None = None,
     ) -> PublishStats:
         """One publication transaction; refusal -> PublicationError, previous version kept."""
-        if self._publish_delay > 0:
-            time.sleep(self._publish_delay)
         start = time.perf_counter()
         m = Manifest.from_dict(manifest)
         count = m.count if count is None else count
         digest = m.digest if digest is None else digest
         if self.receiver is None:  # vLLM: the transaction is checked in the engine's worker(s)
+            self._publish_pause()
             data = (bytes(memoryview(_read_chunk(c, transport))) for c in chunks)
             return self.engine.publish_chunks(m, data, count=count, digest=digest, start=start)
         try:
             self.receiver.begin(m.version, m)
-            for c in chunks:
+            for k, c in enumerate(chunks):
                 self.receiver.add_chunk(m.version, _read_chunk(c, transport))
+                if k == 0:  # mid-transaction: begun, one bucket in, not finished
+                    self._publish_pause()
+            if not chunks:
+                self._publish_pause()
             tensors = self.receiver.finish(m.version, count, digest)
         except PublicationError:
             self.receiver.abort()
@@ -287,6 +295,13 @@ class EngineActor:
             raise PublicationError(f"publication {m.version}: {e!r}") from e
         stats = self.engine.publish(tensors.items(), m.version)
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
+
+    def _publish_pause(self) -> None:
+        """Test hook (set_debug): touch `marker_dir/publish-<pid>` and sleep publish_delay_s."""
+        if self._marker_dir:
+            Path(self._marker_dir, f"publish-{os.getpid()}").write_text("1")
+        if self._publish_delay > 0:
+            time.sleep(self._publish_delay)
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         if self._marker_dir:
@@ -302,9 +317,10 @@ class EngineActor:
         health_delay_s: float = 0.0,
         publish_delay_s: float = 0.0,
     ) -> None:
-        """Test hook: sleep before each generate (or health reply, or publication), and touch
-        `marker_dir/generate-<pid>` when a generate call starts (so a test can kill the engine
-        while it is generating, or let it hang past the group's timeout)."""
+        """Test hook: sleep before each generate (or health reply, or inside a publication, after
+        its first bucket), and touch `marker_dir/generate-<pid>` when a generate call starts
+        (`publish-<pid>` at that point of a publication), so a test can kill the engine while it
+        is generating or publishing, or let it hang past the group's timeout."""
         self._delay = float(generate_delay_s)
         self._health_delay = float(health_delay_s)
         self._publish_delay = float(publish_delay_s)
@@ -537,16 +553,23 @@ class EngineGroup:
         count: int | None = None,
         digest: str | None = None,
     ) -> list[PublishStats]:
-        """Run the transaction on every engine; commit only if all of them committed. Engines
-        that committed while another refused are restarted on the previous version."""
+        """Run the transaction on every engine; commit only if all of them committed. An engine
+        that dies (or hangs) inside it is restarted on the committed policy and sent the
+        publication again, so every engine ends on the new version; if that fails too (restart
+        limit), or an engine refuses, the engines that committed are restarted on the previous
+        version: all of them end on one version, the one `version` names."""
         if transport not in TRANSPORTS:
             raise PublicationError(f"transport={transport!r}; expected one of {TRANSPORTS}")
         args = (manifest, chunks, transport, count, digest)
-        results = self._run(
-            lambda i, h: h.publish.remote(*args),
-            range(len(self.handles)),
-            timeout_s=self.publish_timeout_s,
-        )
+        try:
+            results = self._run(
+                lambda i, h: h.publish.remote(*args),
+                range(len(self.handles)),
+                timeout_s=self.publish_timeout_s,
+            )
+        except BaseException:
+            self._roll_back()
+            raise
         errors = {i: r for i, r in results.items() if isinstance(r, BaseException)}
         if errors:
             for i in sorted(set(results) - set(errors)):
@@ -561,6 +584,25 @@ class EngineGroup:
         self._committed = args[:3]  # count / digest: the manifest's (they matched)
         self._version = int(manifest["version"])
         return [results[i] for i in range(len(self.handles))]
+
+    def _roll_back(self) -> None:
+        """After a publication failed part-way: every engine that does not serve the committed
+        version (it committed the new one, died, or does not answer) is restarted on it. An
+        engine's health reply queues behind its publication, so one still running is awaited."""
+        wait = self.health_timeout_s
+        if self.publish_timeout_s is not None and math.isfinite(self.publish_timeout_s):
+            wait = max(wait, self.publish_timeout_s)
+        for i in range(len(self.handles)):
+            try:
+                version, _ = ray.get(self.handles[i].health.remote(), timeout=wait)
+                if version == self._version:
+                    continue
+                reason, count = "committed a publication that failed on another engine", False
+            except RayActorError:
+                reason, count = "died in a failed publication", True
+            except GetTimeoutError:
+                reason, count = f"did not answer in {wait:g}s after a failed publication", True
+            self.restart(i, reason=reason, count=count)
 
     def publish(
         self, tensors: Iterable[tuple[str, np.ndarray]], version: int, bucket_bytes: int = 64 << 20
@@ -680,6 +722,7 @@ class RolloutManager:
             "start_seconds": self.start_seconds,
             "engine_start_seconds": list(self.group.start_seconds),
             "num_engines": len(self.group.handles),
+            "placement_group": self.group.pg.id.hex(),
         }
 
     def expected_specs(self) -> dict:
@@ -694,6 +737,12 @@ class RolloutManager:
     def produce(self, update: int):
         self.group.check_health()
         return self.producer.produce(update)
+
+    def produce_step(self, update: int):
+        """produce(update) and the data cursor after it, in one reply (the client's record of
+        the cursor can never be ahead of, or behind, the samples it received)."""
+        samples, stats = self.produce(update)
+        return samples, stats, self.producer.state()
 
     def evaluate(self) -> float:
         self.group.check_health()
@@ -719,6 +768,14 @@ class RolloutManager:
 
     def set_timeouts(self, **kwargs) -> dict[str, float | None]:
         return self.group.set_timeouts(**kwargs)
+
+    def set_restart_limit(self, max_restarts_per_call: int) -> int:
+        """Engine restarts allowed per call (tests set 0); returns the previous limit."""
+        old, self.group.max_restarts_per_call = (
+            self.group.max_restarts_per_call,
+            int(max_restarts_per_call),
+        )
+        return old
 
     def close(self) -> None:
         self.group.close()
@@ -764,24 +821,29 @@ class RayRolloutClient:
         self.last_breakdown: dict[str, float] = {}
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxloop-rollout-"))
         self._committed: tuple[int, list] | None = None  # (version, refs or dir) now served
+        # what a replacement manager needs: the committed publication (manifest dict, chunks,
+        # transport) and the data cursor as of the last call that returned (restore / produce)
+        self._publication: tuple[dict, list, str] | None = None
+        self._cursor: dict | None = None
+        self.manager_restarts = 0
+        self._engine_restarts = [0.0, 0.0]  # [of replaced managers, last read from this one]
         self._started_ray = False
         self.manager = None
+        self._placement_group: str | None = None
         try:
             self._connect(r.ray_address, r.num_engines)
             spec, bundle = self._engine_spec(cfg, actor_model, settings)
-            start = time.perf_counter()
-            self.manager = RolloutManager.options(num_cpus=0, runtime_env=self._runtime_env).remote(
-                settings,
-                spec,
-                r.num_engines,
-                bundle,
+            self._manager_args = (settings, spec, r.num_engines, bundle)
+            self._manager_kwargs = dict(
                 engine_timeout_s=float(r.engine_timeout_s),
                 publish_timeout_s=float(r.publish_timeout_s),
             )
-            info = ray.get(self.manager.info.remote())
+            start = time.perf_counter()
+            info = self._start_manager()
             self.timings["manager_start_s"] = time.perf_counter() - start
             self.timings["engine_start_s"] = max(info["engine_start_seconds"])
             self.expected = ray.get(self.manager.expected_specs.remote())
+            self._cursor = ray.get(self.manager.state.remote())
             print(
                 f"rollout: {r.num_engines} {self.kind} engine(s) ready in "
                 f"{self.timings['manager_start_s']:.1f}s (engine start "
@@ -794,6 +856,83 @@ class RayRolloutClient:
             raise
 
     # ---- set-up ----
+    def _start_manager(self) -> dict:
+        """A new RolloutManager (and its engines) from the client's settings; returns its info."""
+        self.manager = RolloutManager.options(num_cpus=0, runtime_env=self._runtime_env).remote(
+            *self._manager_args, **self._manager_kwargs
+        )
+        info = ray.get(self.manager.info.remote())
+        self._placement_group = info["placement_group"]
+        return info
+
+    def _replace_manager(self, what: str, err: BaseException) -> None:
+        """The manager died during `what`: kill what is left of it (its engines die with it; its
+        placement group outlives it and is removed), start a new one, restore the data cursor of
+        the last call that returned and republish the committed policy."""
+        start = time.perf_counter()
+        try:
+            ray.kill(self.manager, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self._remove_placement_group()
+        self._engine_restarts = [sum(self._engine_restarts), 0.0]
+        self._start_manager()
+        if self._cursor is not None:
+            ray.get(self.manager.restore.remote(self._cursor))
+        if self._publication is not None:
+            ray.get(self.manager.publish.remote(*self._publication))
+        self.manager_restarts += 1
+        logger.warning(
+            "rollout manager died during %s (%s): restarted in %.1fs (restart #%d, serving "
+            "version %s, data cursor restored)",
+            what,
+            _error_text(err),
+            time.perf_counter() - start,
+            self.manager_restarts,
+            self.version,
+        )
+
+    def _remove_placement_group(self) -> None:
+        if self._placement_group is None:
+            return
+        from ray.util.placement_group import PlacementGroup
+
+        try:
+            pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(self._placement_group)))
+            remove_placement_group(pg)
+        except Exception as e:  # already removed
+            logger.debug("placement group %s not removed: %r", self._placement_group, e)
+        self._placement_group = None
+
+    def _call(self, what: str, method: str, *args):
+        """ray.get(manager.method(*args)); if the manager actor dies (not: a call that raised),
+        it is replaced (see _replace_manager) and the call made once more. A second death is
+        ManagerFailedError naming `what` (e.g. 'update 7')."""
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):  # the manager is alive: its call raised
+                raise
+            first = e
+        self._replace_manager(what, first)
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):
+                raise
+            raise ManagerFailedError(
+                f"{what}: the rollout manager died again after a restart ({_error_text(e)}); "
+                "rerun to resume from the last checkpoint"
+            ) from e
+
+    def _count_restarts(self, stats: dict[str, float]) -> dict[str, float]:
+        """engine_restarts over every manager of this client, and manager_restarts."""
+        if "engine_restarts" in stats:
+            self._engine_restarts[1] = float(stats["engine_restarts"])
+            stats["engine_restarts"] = sum(self._engine_restarts)
+        stats["manager_restarts"] = float(self.manager_restarts)
+        return stats
+
     def _connect(self, address: str, num_engines: int) -> None:
         self._runtime_env = {"env_vars": _actor_env()}
         if ray.is_initialized():
@@ -917,14 +1056,14 @@ class RayRolloutClient:
                 path.write_bytes(c)
                 sent.append(str(path))
         t_commit = time.perf_counter()
+        args = (manifest.to_dict(), sent, self.transport)
         try:
-            engine_stats = ray.get(
-                self.manager.publish.remote(manifest.to_dict(), sent, self.transport, count, digest)
-            )
+            engine_stats = self._call(f"publication {version}", "publish", *args, count, digest)
         except PublicationError as e:
             if where is not None:
                 shutil.rmtree(where, ignore_errors=True)
             raise PublicationError(_error_text(e)) from None
+        self._publication = args  # count / digest: the manifest's (they matched)
         old, self._committed = self._committed, (version, sent if where is None else where)
         if old is not None and isinstance(old[1], Path) and old[1] != where:
             shutil.rmtree(old[1], ignore_errors=True)
@@ -956,22 +1095,28 @@ class RayRolloutClient:
 
     # ---- the producer surface ----
     def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
-        return ray.get(self.manager.produce.remote(update))
+        """The samples of `update`. A manager that dies meanwhile is replaced from the cursor as
+        it was before this call and the committed policy: the same samples (see _call)."""
+        samples, stats, cursor = self._call(f"update {update}", "produce_step", update)
+        self._cursor = cursor
+        return samples, self._count_restarts(stats)
 
     def evaluate(self) -> float:
-        return ray.get(self.manager.evaluate.remote())
+        return self._call("evaluation", "evaluate")
 
     def state(self) -> dict:
-        return ray.get(self.manager.state.remote())
+        return self._call("reading the data cursor", "state")
 
     def restore(self, state: dict) -> None:
-        ray.get(self.manager.restore.remote(state))
+        state = copy.deepcopy(state)
+        self._call("restoring the data cursor", "restore", state)
+        self._cursor = state
 
     def health(self) -> list[dict]:
-        return ray.get(self.manager.health.remote())
+        return self._call("a health check", "health")
 
     def stats(self) -> dict[str, float]:
-        return ray.get(self.manager.stats.remote())
+        return self._count_restarts(self._call("reading stats", "stats"))
 
     @property
     def version(self) -> int | None:

@@ -3,9 +3,9 @@
 One Ray cluster for the module (started here; the training processes join it through
 `rollout.ray_address`), one vLLM engine actor per training run, a tiny fp32 model with head_dim 32
 (the smallest the vLLM CPU attention supports). Each run: 2 updates; metrics have the embedded
-path's keys plus `engine_restarts`, the engine-vs-trainer log-prob difference is within the vLLM
-bound, checkpoints are written. Resume: stop after 1 update, rerun, and the result equals the
-straight run's (same tokens, losses and rewards).
+path's keys plus `engine_restarts` and `manager_restarts`, the engine-vs-trainer log-prob
+difference is within the vLLM bound, checkpoints are written. Resume: stop after 1 update, rerun,
+and the result equals the straight run's (same tokens, losses and rewards).
 """
 
 import os
@@ -97,7 +97,7 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
         assert r["logprob_diff_max"] <= default_logprob_diff("vllm", "float32"), r[
             "logprob_diff_max"
         ]
-        assert r["engine_restarts"] == 0.0
+        assert r["engine_restarts"] == 0.0 and r["manager_restarts"] == 0.0
         assert r["num_samples"] == 8.0 and r["response_length"] > 0
         assert r["publish_gb_per_s"] > 0
     TIMINGS[f"{algorithm}_logprob_diff_max"] = max(r["logprob_diff_max"] for r in rows)
@@ -107,7 +107,7 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     # the embedded engine's metrics (1 update: eval and final eval in one row) for the keys
     embedded = tmp_path / f"{algorithm}_embedded"
     _train(embedded, algorithm, "--config.total_updates=1", env=env)
-    assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts"}
+    assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts", "manager_restarts"}
 
 
 def test_verbose_shows_the_engines_info_lines(tmp_path, cluster, env):
