@@ -67,6 +67,7 @@ def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tup
     recent = _values(rows[-LAST_N:], "reward_mean")
     speed = _values(mine, "tokens_per_s")
     restarts = _values(mine, "engine_restarts")  # a running count per process
+    managers = _values(mine, "manager_restarts")  # the same (Ray rollouts only)
     skipped = _values(mine, "skipped_updates")  # the run's running count (0 when absent)
     first = mine[0]["update"] if mine else start_update
     last = mine[-1]["update"] + 1 if mine else start_update
@@ -82,7 +83,7 @@ def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tup
         ("wall time", f"{wall_s:.1f} s"),
         ("engine restarts", f"{int(max(restarts, default=0))}"),
         ("skipped updates", f"{int(max(skipped, default=0))}"),
-    ]
+    ] + ([("manager restarts", f"{int(max(managers))}")] if managers else [])
 
 
 def finish_report(run_dir: str | Path, start_update: int, wall_s: float, total: int) -> str:

@@ -33,6 +33,10 @@ def test_summary_values():
     assert table["tokens/s (mean per update)"] == "111.5"  # this process's updates only
     assert table["wall time"] == "12.3 s"
     assert table["engine restarts"] == "2" and table["skipped updates"] == "3"
+    assert "manager restarts" not in table  # only rows of Ray rollouts have the metric
+    for r in rows[11:]:
+        r["manager_restarts"] = 1.0
+    assert dict(summary_rows(rows, start_update=10, wall_s=1.0))["manager restarts"] == "1"
 
 
 def test_summary_without_optional_metrics():
