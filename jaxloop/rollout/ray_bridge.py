@@ -922,7 +922,15 @@ class RayRolloutClient:
             if isinstance(e, RayTaskError):  # the manager is alive: its call raised
                 raise
             first = e
-        self._replace_manager(what, first)
+        try:
+            self._replace_manager(what, first)
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):
+                raise
+            raise ManagerFailedError(
+                f"{what}: the rollout manager died ({_error_text(first)}) and its replacement "
+                f"died too ({_error_text(e)}); rerun to resume from the last checkpoint"
+            ) from e
         try:
             return ray.get(getattr(self.manager, method).remote(*args))
         except RayActorError as e:
@@ -1143,6 +1151,7 @@ class RayRolloutClient:
             except Exception:
                 pass
             self.manager = None
+            self._remove_placement_group()  # a dead manager's (a live one removed its own)
         self._committed = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._started_ray and ray.is_initialized():

@@ -115,3 +115,9 @@ def test_a_second_death_is_one_error_naming_the_update(monkeypatch):
     with pytest.raises(ManagerFailedError, match=r"^update 4: the rollout manager died again"):
         client.produce(4)
     assert client.manager_restarts == 1 and client._cursor == {"pos": 0}
+
+
+def test_a_replacement_that_dies_while_restored_is_one_error(monkeypatch):
+    client = _client(monkeypatch, [["evaluate"], ["restore"]])
+    with pytest.raises(ManagerFailedError, match=r"^evaluation: the rollout manager died .* too"):
+        client.evaluate()
