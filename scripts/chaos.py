@@ -391,17 +391,20 @@ class Chaos:
             return kind, "start", 1, r.uniform(0, span)
         if kind == "restore":
             return kind, "restore", 1, r.uniform(0, self.restore_s)
+        # early occurrences (the first or second of this process): a run advances a little per
+        # kill, so the kills spread over its whole length instead of piling up at the end
         if kind in ("update", "metrics"):
-            return kind, kind, r.randint(1, updates), r.uniform(0, SLEEP * 1.2)
+            return kind, kind, r.randint(1, min(updates, 2)), r.uniform(0, SLEEP * 1.2)
         if kind == "produce":
-            return kind, kind, r.randint(1, updates), r.uniform(0, self.durations["produce"])
+            k = r.randint(1, min(updates, 2))
+            return kind, kind, k, r.uniform(0, self.durations["produce"])
         if kind == "publish":
             delay = r.uniform(0, SLEEP + self.durations["publish"])
-            return kind, kind, r.randint(1, updates + 1), delay
+            return kind, kind, r.randint(1, min(updates + 1, 3)), delay
         if kind == "save":
-            return kind, kind, r.randint(1, saves), r.uniform(0, self.durations["save"])
+            return kind, kind, r.randint(1, min(saves, 2)), r.uniform(0, self.durations["save"])
         if kind == "commit":
-            k = r.randint(1, saves * self.commits_per_save)
+            k = r.randint(1, min(saves, 2) * self.commits_per_save)
             return kind, kind, k, r.uniform(0, SLEEP * 1.2)
         if kind == "delete":
             marker = r.choice(("delete", "deleting"))
