@@ -121,7 +121,9 @@ def launch_ray(
     ray.get(group.ready())
     actors = [
         TrainerProcess.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank
+            ),
             num_cpus=resources.get("CPU", 1),
             num_gpus=resources.get("GPU", 0),
         ).remote()
