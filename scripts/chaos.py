@@ -268,6 +268,7 @@ class Result:
     by_kind: dict = dataclasses.field(default_factory=dict)
     restarts_checked: int = 0
     half_deleted_left: int = 0
+    engines_replaced: int = 0  # vllm: kills after which every actor of the trainer was gone
     failures: list = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
@@ -277,6 +278,8 @@ class Result:
         if ok:
             head += f", final checkpoint identical in {self.rounds}/{self.rounds} round(s)"
             head += f", metrics.jsonl complete and equal, {self.restarts_checked} resumes checked"
+            if self.engines_replaced:
+                head += f", engines gone after {self.engines_replaced} kills"
         else:
             head += f", FAILED: {self.failures[0]}"
         return f"{head} (kills: {kinds})"
@@ -411,6 +414,21 @@ class Chaos:
             return kind, marker, 1, r.uniform(0, SLEEP * 1.2)
         raise ValueError(kind)
 
+    def wait_engines_gone(self, timeout: float = 120) -> None:
+        """The killed trainer's actors (engines, manager) die with it: none is left alive, so the
+        restarted trainer starts new ones."""
+        from ray._private import state
+
+        deadline = time.time() + timeout
+        while True:
+            alive = [a for a in state.actors().values() if a["State"] != "DEAD"]
+            if not alive:
+                self.result.engines_replaced += 1
+                return
+            if time.time() > deadline:
+                raise ChaosFailure(f"{len(alive)} actor(s) of the killed trainer still alive")
+            time.sleep(0.5)
+
     def check_before_restart(self, run_dir: Path) -> int | None:
         """The newest checkpoint must be complete and equal the reference's; returns its step."""
         steps = finished_steps(run_dir)
@@ -475,6 +493,8 @@ class Chaos:
                 continue
             point += 1
             self.result.by_kind[kind] = self.result.by_kind.get(kind, 0) + 1
+            if self.engine == "vllm":
+                self.wait_engines_gone()
             expected = self.check_before_restart(run_dir)
             self.result.survived += 1
         # the last restart runs to the end
@@ -490,6 +510,7 @@ class Chaos:
 def start_ray() -> str:
     import ray
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False)
     return ray.get_runtime_context().gcs_address
 
