@@ -232,6 +232,12 @@ CATALOGUE = [
         dry=True,
     ),
     Row(
+        "negative rollout staleness",
+        _args("--config.rollout.max_staleness=-1"),
+        "rollout.max_staleness must be >= 0",
+        dry=True,
+    ),
+    Row(
         "mesh larger than the devices",
         _args("--config.mesh.fsdp=16"),
         "= 16 devices, but 8 are available",
