@@ -114,6 +114,7 @@ class LoopedLM(nnx.Module):
         head: bool = True,
         depths: jax.Array | None = None,
         num_loops: int | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> ModelOutput:
         """head=False: no LM-head projection (logits None; callers that project the hidden
         states themselves, chunk by chunk, never hold [B, S, V]).
@@ -132,6 +133,7 @@ class LoopedLM(nnx.Module):
             head=head,
             depths=depths,
             num_loops=num_loops,
+            segment_ids=segment_ids,
         )
 
 
@@ -165,6 +167,7 @@ def looped_forward(
     head: bool = True,
     depths: jax.Array | None = None,
     num_loops: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> ModelOutput:
     """The looped decoder, optionally with a static loop budget and per-position exit depths.
 
@@ -189,7 +192,12 @@ def looped_forward(
     return_loops with depths: entry t is a position's output after loop min(t + 1, depths) (entry
     t of an exited position is its exit output; un-exited positions of a family without a norm
     between loops keep today's un-normed entries), and exit_probs are computed from those.
-    depths=None adds no work: the replay is a Python-level branch."""
+    depths=None adds no work: the replay is a Python-level branch.
+
+    segment_ids (int32 [B, S], 0 = padding; packed rows, no cache): a position attends only to
+    earlier positions of its own segment (in every loop, to that loop's keys), with `positions`
+    given explicitly (restarting per segment). The cudnn kernel takes no segments: the mask
+    path runs instead."""
     cfg = model.config
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = input_ids.shape
@@ -217,10 +225,14 @@ def looped_forward(
     weights = _block_weights(model.blocks)
     final_norm = model.final_norm[...].astype(cdt)
 
+    if segment_ids is not None and (cache is not None or positions is None):
+        raise ValueError("segment_ids need explicit positions and no cache (packed training rows)")
     if cache is None:
         causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
         mask = causal[None] & attention_mask[:, None, :]
-        use_cudnn = cfg.attention_impl == "cudnn"
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        use_cudnn = cfg.attention_impl == "cudnn" and segment_ids is None
         valid = None
     else:
         t = cache.max_length
