@@ -91,17 +91,16 @@ class TrainCheckpointer:
         args[TRAIN_STATE] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**args))
         extra = dict(restored[TRAIN_STATE])
-        rep = shardings.step
         fields = {field: restored[item] for item, field in ARRAY_ITEMS.items() if item in targets}
-        state = abstract.replace(
-            **fields,
-            step=shd.put_global(np.int32(extra.pop("update")), rep),
-            policy_version=shd.put_global(np.int32(extra.pop("policy_version")), rep),
-            rng=shd.put_global(np.asarray(extra.pop("rng"), np.uint32), rep),
-            consecutive_skips=shd.put_global(np.int32(extra.pop("consecutive_skips", 0)), rep),
-            skipped_updates=shd.put_global(np.int32(extra.pop("skipped_updates", 0)), rep),
-        )
-        return state, extra
+        stored = {  # JSON name of `step` is "update"; skip counters are absent in older runs
+            "step": np.int32(extra.pop("update")),
+            "policy_version": np.int32(extra.pop("policy_version")),
+            "rng": np.asarray(extra.pop("rng"), np.uint32),
+            "consecutive_skips": np.int32(extra.pop("consecutive_skips", 0)),
+            "skipped_updates": np.int32(extra.pop("skipped_updates", 0)),
+        }
+        counters = {k: shd.put_global(v, getattr(shardings, k)) for k, v in stored.items()}
+        return abstract.replace(**fields, **counters), extra
 
     def close(self) -> None:
         self.manager.close()

@@ -23,6 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxloop.parallel import mesh as shd
 
+# the TrainState's scalar bookkeeping (everything but parameters and optimizer states)
+COUNTERS = ("step", "policy_version", "rng", "consecutive_skips", "skipped_updates")
+
 
 @struct.dataclass
 class TrainState:
@@ -149,16 +152,14 @@ def build_train_state(
         ref = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=sharding("ref_params"))(
             actor_params
         )
+
+    def initial(name: str):
+        if name == "rng":
+            return jax.random.key_data(jax.random.key(seed))
+        return jnp.zeros((), jnp.int32)
+
     counters = jax.jit(
-        lambda: (
-            jnp.zeros((), jnp.int32),
-            jnp.zeros((), jnp.int32),
-            jax.random.key_data(jax.random.key(seed)),
-            jnp.zeros((), jnp.int32),
-            jnp.zeros((), jnp.int32),
-        ),
-        out_shardings=None
-        if shardings is None
-        else (shardings.step,) * 2 + (shardings.rng,) + (shardings.step,) * 2,
+        lambda: {name: initial(name) for name in COUNTERS},
+        out_shardings=None if shardings is None else {n: sharding(n) for n in COUNTERS},
     )()
-    return TrainState(actor_params, actor_opt, critic_params, critic_opt, ref, *counters)
+    return TrainState(actor_params, actor_opt, critic_params, critic_opt, ref, **counters)

@@ -12,27 +12,21 @@ from tests.train.test_mesh import BASE, _assert_close, _export
 pytestmark = pytest.mark.slow  # two trainer processes joined by JAX's distributed runtime
 
 
+def _launch(env, run_dir, *launch_args, train_args=()):
+    """2 GRPO trainer processes x 4 fake devices through jaxloop.launch; asserts exit 0."""
+    cmd = [sys.executable, "-m", "jaxloop.launch", *launch_args, "--num-processes", "2"]
+    cmd += ["--devices-per-process", "4", "--", "--config", "grpo.py"]
+    cmd += [f"--config.run_dir={run_dir}", *BASE, *train_args, "--config.mesh.fsdp=8"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def test_two_processes_match_one(tmp_path, env):
     one = tmp_path / "one-process"
     rows = run_train(one, "grpo.py", *BASE, "--config.mesh.fsdp=8", env=env)
     two = tmp_path / "two-processes"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.launch",
-        "--num-processes",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--",
-        "--config",
-        "grpo.py",
-        f"--config.run_dir={two}",
-        *BASE,
-        "--config.mesh.fsdp=8",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _launch(env, two)
     # process 0 alone writes metrics: one row per update, none from process 1
     two_rows = read_rows(two)
     assert [r["update"] for r in two_rows] == [0, 1]
@@ -47,27 +41,9 @@ def test_ray_launch_places_processes(tmp_path, env):
     """--ray: the processes are Ray actors in a placement group (PACK here: this cluster is one
     node; STRICT_SPREAD puts one per node), joined by JAX's runtime; 1 GRPO update."""
     run_dir = tmp_path / "ray"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxloop.launch",
-        "--ray",
-        "--ray-strategy",
-        "PACK",
-        "--num-processes",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--",
-        "--config",
-        "grpo.py",
-        f"--config.run_dir={run_dir}",
-        *BASE,
-        "--config.total_updates=1",
-        "--config.mesh.fsdp=8",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch(
+        env, run_dir, "--ray", "--ray-strategy", "PACK", train_args=("--config.total_updates=1",)
+    )
     assert [r["update"] for r in read_rows(run_dir)] == [0]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conversion.to_hf import main as to_hf
-from jaxloop.config import load_config_file
+from jaxloop.config import apply_override, load_config_file
 from jaxloop.models.hf_io import checkpoint_files, read_safetensors
 from jaxloop.parallel import mesh as shd
 from jaxloop.train import Training, actor_config
@@ -112,13 +112,8 @@ def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_en
 
 def _config(*overrides):
     cfg = load_config_file("ppo.py")
-    with cfg.unlocked():
-        for key, value in overrides:
-            node = cfg
-            *path, last = key.split(".")
-            for part in path:
-                node = node[part]
-            node[last] = value
+    for key, value in overrides:  # as --config.key=value would
+        apply_override(cfg, key, str(value))
     return cfg
 
 
