@@ -116,6 +116,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.offload.optimizer = False
     c.offload.reference = False
 
+    c.learner = ml_collections.ConfigDict()
+    c.learner.pack_tokens = 0  # >0: each micro-batch's samples packed into rows of this many
+
     c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-3
     c.critic.steps_per_rollout = 1
@@ -173,6 +176,7 @@ SECTIONS = {
     "dist": "many processes (jax.distributed.initialize)",
     "offload": "what rests in pinned host memory while the phase of an update at work does not "
     "use it",
+    "learner": "how the learner lays out a batch for its forward and backward passes",
     "draft_features": "saving LM-head input hidden states for draft-model training",
 }
 
@@ -217,6 +221,8 @@ DESCRIPTIONS = {
     "actor phase (during generation and the critic phase)",
     "offload.reference": "keep the reference policy in pinned host memory outside its log-prob "
     "phase",
+    "learner.pack_tokens": "0: pad every sample to the longest; > 0: pack each micro-batch's "
+    "samples into rows of this many tokens (>= data.max_prompt_tokens + rollout.max_new_tokens)",
     "model.preset": "a released model's shape with random weights (nanbeige-3b, ouro-1.4b; "
     "empty: the tiny keys below); hf_dir / init_checkpoint take precedence",
     "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
@@ -592,6 +598,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
         raise UsageError(f"algo.reduction={cfg.algo.reduction!r}")
+    pack, longest = cfg.learner.pack_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if pack < 0 or 0 < pack < longest:
+        raise UsageError(
+            f"learner.pack_tokens={pack}: 0 (off) or >= the longest sample, data.max_prompt_tokens "
+            f"+ rollout.max_new_tokens = {longest}"
+        )
     if cfg.rollout.engine_log_level.upper() not in LOG_LEVELS:
         raise UsageError(
             f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "

@@ -56,7 +56,6 @@ from jaxloop.rl.state import (
     build_train_state,
     state_shardings,
 )
-from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.producer import (
     ProducerSettings,
     RolloutProducer,
@@ -228,6 +227,7 @@ class Training:
             updates_per_rollout=steps,
             critic_steps=cfg.critic.steps_per_rollout,
             logits_chunk=cfg.model.logits_chunk,
+            pack_tokens=cfg.learner.pack_tokens,
             advantage=AdvantageHParams(
                 gamma=cfg.algo.gamma,
                 lam=cfg.algo.lam,
@@ -314,13 +314,13 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
     )
 
 
-def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None):
     """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
     if cfg.rollout.engine == "jax":
         from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
         return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
-    from jaxloop.rollout.ray.client import RayRolloutClient
+    from jaxloop.rollout.ray_bridge import RayRolloutClient
 
     return RayRolloutClient(cfg, actor, settings)
 
@@ -386,7 +386,7 @@ class Trainer:
             if cfg.rollout.engine == "jax"
             else self.training.actor_model(self.state)
         )
-        self.producer: RolloutSource = build_producer(cfg, engine_model, settings, self.mesh)
+        self.producer = build_producer(cfg, engine_model, settings, self.mesh)
         if cursor is not None:
             self.producer.restore(cursor)
         self.metrics = (
@@ -410,8 +410,7 @@ class Trainer:
         return self.state.version
 
     def publish(self):
-        params, config = self.training.policy(self.state), self.training.actor_abstract.config
-        return self.producer.publish(Policy(params, self.state.version, config))
+        return self.producer.publish(self.training.policy(self.state), self.state.version)
 
     def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
         diff = np.abs(old_lp - arrays.behav_logprobs) * arrays.response_mask
@@ -469,6 +468,8 @@ class Trainer:
         if not samples:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
         batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
+        if cfg.learner.pack_tokens > 0:  # one sample length: the packed learner's shapes are fixed
+            batch = batch.with_length(cfg.learner.pack_tokens + 1)
         device_batch = self.learner.place_batch(batch.arrays())
         t1 = time.perf_counter()
         if not cfg.draft_features.enabled:

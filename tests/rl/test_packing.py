@@ -9,7 +9,9 @@ import pytest
 
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.packing import pack_groups, row_bucket
+from jaxloop.train import main
 from tests.rl.test_learner import CFG, _Run
+from tests.train.helpers import TINY, read_rows, stable
 
 PACK = 24  # the longest sample below has 23 input tokens
 RESPONSE_LENGTHS = (2, 3, 19, 2, 5, 2, 8, 3)  # long-tailed: one long answer, many short ones
@@ -76,7 +78,7 @@ def test_packed_update_equals_padded(name, micro, kl, updates, chunk):
     placed = learner.place_batch(packed_batch.arrays())
     rows = placed["pack_tokens"].shape[0]  # micro 4: 2 rows per micro-batch of 4 samples
     assert rows == (4 if micro == 4 else 8) and placed["tokens"].shape == (8, PACK + 1)
-    if padded.state.critic_params is not None or kl > 0:  # reference log-probs and values
+    if padded.state.critic_params is not None:  # values and reference log-probs (ppo)
         p_out, _ = padded.learner._prepare(
             padded.state.ref_params,
             padded.state.critic_params,
@@ -121,3 +123,27 @@ def test_a_segment_cannot_see_another():
     others = np.arange(8) != 6
     np.testing.assert_array_equal(after[others], before[others])
     assert np.abs(after[6] - before[6])[response].max() > 1e-3
+
+
+def test_pack_tokens_shorter_than_the_longest_sample_is_a_one_line_error(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(
+        ["--config", "grpo.py", "--config.learner.pack_tokens=32", f"--config.run_dir={run_dir}"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "learner.pack_tokens=32" in err and "= 33" in err  # 32 prompt + 1 response token
+    assert not run_dir.exists()
+
+
+def test_trainer_packed_run_equals_padded(tmp_path):
+    """One update of the CLI on the 8-device mesh (rows sharded over 'fsdp'), with sampled
+    responses of several lengths: the same metrics as the padded run."""
+    args = ["--config", "grpo.py", *TINY, "--config.total_updates=1", "--config.eval_every=100"]
+    args += ["--config.data.task=reverse", "--config.rollout.max_new_tokens=6"]
+    for name, extra in (("padded", []), ("packed", ["--config.learner.pack_tokens=40"])):
+        assert main([*args, f"--config.run_dir={tmp_path / name}", *extra]) == 0
+    padded, packed = (stable(read_rows(tmp_path / name))[0] for name in ("padded", "packed"))
+    assert padded.keys() == packed.keys() and padded["response_length"] > 1
+    for key, value in padded.items():
+        assert abs(packed[key] - value) <= 1e-6 * max(1.0, abs(value)), (key, value, packed[key])
