@@ -58,6 +58,7 @@ from jaxloop.rl.state import (
     build_train_state,
     state_shardings,
 )
+from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.producer import (
     ProducerSettings,
     RolloutProducer,
@@ -331,13 +332,13 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
     )
 
 
-def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None):
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
     """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
     if cfg.rollout.engine == "jax":
         from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
         return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
-    from jaxloop.rollout.ray_bridge import RayRolloutClient
+    from jaxloop.rollout.ray.client import RayRolloutClient
 
     return RayRolloutClient(cfg, actor, settings)
 
@@ -403,7 +404,7 @@ class Trainer:
             if cfg.rollout.engine == "jax"
             else self.training.actor_model(self.state)
         )
-        self.producer = build_producer(cfg, engine_model, settings, self.mesh)
+        self.producer: RolloutSource = build_producer(cfg, engine_model, settings, self.mesh)
         if cursor is not None:
             self.producer.restore(cursor)
         self.metrics = (
@@ -427,7 +428,8 @@ class Trainer:
         return self.state.version
 
     def publish(self):
-        return self.producer.publish(self.training.policy(self.state), self.state.version)
+        params, config = self.training.policy(self.state), self.training.actor_abstract.config
+        return self.producer.publish(Policy(params, self.state.version, config))
 
     def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
         diff = np.abs(old_lp - arrays.behav_logprobs) * arrays.response_mask

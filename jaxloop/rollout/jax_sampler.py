@@ -25,7 +25,7 @@ from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
 from jaxloop.models.looped import LoopedLM
 from jaxloop.parallel import mesh as shd
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 # [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads

@@ -15,7 +15,8 @@ from jaxloop.config import loop_budget_at
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.data.rewards import get_reward
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
-from jaxloop.rollout.types import PromptRequest, Sample, SamplingConfig
+from jaxloop.rollout.api import Policy
+from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 
 class PromptTooLongError(DataError):
@@ -63,6 +64,9 @@ def tokens_checksum(samples: list[Sample]) -> int:
 
 
 class RolloutProducer:
+    """The RolloutSource of the embedded engine (and, inside the Ray manager, over an engine
+    group)."""
+
     def __init__(self, settings: ProducerSettings, engine):
         self.settings = settings
         self.engine = engine
@@ -89,8 +93,12 @@ class RolloutProducer:
         self.eval_sampling = dataclasses.replace(self.sampling, greedy=True)
 
     # ---- engine pass-through ----
-    def publish(self, policy, version: int):
-        return self.engine.publish(policy, version)
+    def publish(self, policy: Policy) -> PublishStats:
+        return self.engine.publish(policy.params, policy.version)
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.version
 
     def close(self) -> None:
         self.engine.close()

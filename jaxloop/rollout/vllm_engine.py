@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, iter_chunks
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
