@@ -71,6 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "xla"
     c.model.logits_chunk = 0
+    c.model.loop_budget = ""  # empty: full depth; "2@0,3@40": K loops from update N
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "builtin"  # or a JSONL / Parquet file of {prompt, label}
@@ -118,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.offload.critic = False
     c.offload.optimizer = False
     c.offload.reference = False
+
+    c.learner = ml_collections.ConfigDict()
+    c.learner.pack_tokens = 0  # >0: each micro-batch's samples packed into rows of this many
 
     c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-3
@@ -176,6 +180,7 @@ SECTIONS = {
     "dist": "many processes (jax.distributed.initialize)",
     "offload": "what rests in pinned host memory while the phase of an update at work does not "
     "use it",
+    "learner": "how the learner lays out a batch for its forward and backward passes",
     "draft_features": "saving LM-head input hidden states for draft-model training",
 }
 
@@ -220,10 +225,14 @@ DESCRIPTIONS = {
     "actor phase (during generation and the critic phase)",
     "offload.reference": "keep the reference policy in pinned host memory outside its log-prob "
     "phase",
+    "learner.pack_tokens": "0: pad every sample to the longest; > 0: pack each micro-batch's "
+    "samples into rows of this many tokens (>= data.max_prompt_tokens + rollout.max_new_tokens)",
     "model.preset": "a released model's shape with random weights (nanbeige-3b, ouro-1.4b; "
     "empty: the tiny keys below); hf_dir / init_checkpoint take precedence",
     "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
     "sequence); bounds the [B, chunk, V] logits held at once",
+    "model.loop_budget": "loops per update, K@N,...: K loops (1..num_loops) from update N (starts "
+    "at 0, N increasing), in the sampler, recompute, loss and critic; empty: full depth",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
     "data.eval_source": "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; "
     "empty: the built-in task's held-out split (a file data.source then has no evaluation)",
@@ -599,6 +608,20 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
         raise UsageError(f"algo.reduction={cfg.algo.reduction!r}")
+    pack, longest = cfg.learner.pack_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if pack < 0 or 0 < pack < longest:
+        raise UsageError(
+            f"learner.pack_tokens={pack}: 0 (off) or >= the longest sample, data.max_prompt_tokens "
+            f"+ rollout.max_new_tokens = {longest}"
+        )
+    schedule = parse_loop_budget(cfg.model.loop_budget)
+    if schedule and cfg.rollout.engine != "jax":
+        raise UsageError(
+            "model.loop_budget needs rollout.engine=jax: the vLLM plugin runs every loop of the "
+            "model it loaded (no per-version depth)"
+        )
+    if schedule and not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset):
+        check_loop_budget(schedule, cfg.model.num_loops)
     if cfg.rollout.engine_log_level.upper() not in LOG_LEVELS:
         raise UsageError(
             f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "
@@ -607,6 +630,49 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def parse_loop_budget(spec: str) -> tuple[tuple[int, int], ...]:
+    """model.loop_budget "K@N,..." -> ((N, K), ...) in update order; "" -> () (full depth).
+    Each K >= 1, the first N is 0 and the N increase (UsageError otherwise)."""
+    spec = spec.strip()
+    if not spec:
+        return ()
+    schedule = []
+    for part in spec.split(","):
+        loops, at, start = part.strip().partition("@")
+        try:
+            item = (int(start), int(loops))
+        except ValueError:
+            item = None
+        if not at or item is None:
+            raise UsageError(f"model.loop_budget={spec!r}: {part.strip()!r} is not K@N (ints)")
+        schedule.append(item)
+    starts = [n for n, _ in schedule]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+        raise UsageError(f"model.loop_budget={spec!r}: the updates N must start at 0 and increase")
+    if any(k < 1 for _, k in schedule):
+        raise UsageError(f"model.loop_budget={spec!r}: every K must be >= 1")
+    return tuple(schedule)
+
+
+def check_loop_budget(schedule: tuple[tuple[int, int], ...], num_loops: int) -> None:
+    """Every K of the schedule within the model's 1..num_loops."""
+    for _, loops in schedule:
+        if loops > num_loops:
+            raise UsageError(
+                f"model.loop_budget: K={loops} exceeds the model's num_loops={num_loops}"
+            )
+
+
+def loop_budget_at(schedule: tuple[tuple[int, int], ...], update: int) -> int | None:
+    """The loops of `update` under the schedule (None: no schedule, full depth). A function of
+    the update number alone, so a resumed run continues the schedule where it stopped."""
+    loops = None
+    for start, k in schedule:
+        if update >= start:
+            loops = k
+    return loops
 
 
 def engine_log_level(cfg) -> str:
@@ -657,6 +723,7 @@ def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config
             raise UsageError(
                 f"{name}={value} is not divisible by mesh data x fsdp = {data_parallel}"
             )
+    check_loop_budget(parse_loop_budget(cfg.model.loop_budget), model_config.num_loops)
     if cfg.rollout.engine != "jax" and cfg.dist.num_processes > 1:
         raise UsageError(
             "rollout.engine=vllm with dist.num_processes > 1 is not supported: remote engines "

@@ -148,6 +148,7 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     from flax import nnx
 
     from jaxloop.models.orbax_io import restore_model
+    from jaxloop.rollout.api import Policy
     from jaxloop.rollout.jax_sampler import JaxSamplerEngine
     from jaxloop.rollout.producer import RolloutProducer
     from jaxloop.summary import checkpoint_steps
@@ -172,7 +173,7 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     producer = RolloutProducer(settings, JaxSamplerEngine(model))
     if not producer.eval_examples:
         raise EvalUsageError(f"no prompts to evaluate on in {prompts}")
-    producer.publish(nnx.state(model), step)
+    producer.publish(Policy(nnx.state(model), step, model.config))
     greedy = producer.eval_rewards()[:, 0]
     result = {
         "checkpoint": str(run_dir),

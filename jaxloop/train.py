@@ -25,7 +25,9 @@ from jaxloop.config import (
     UsageError,
     default_logprob_diff,
     format_tree,
+    loop_budget_at,
     parse_command,
+    parse_loop_budget,
     validate_mesh,
 )
 from jaxloop.data.datasets import DataError
@@ -56,6 +58,7 @@ from jaxloop.rl.state import (
     build_train_state,
     state_shardings,
 )
+from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.pipeline import RolloutPipeline
 from jaxloop.rollout.producer import (
     ProducerSettings,
@@ -228,6 +231,7 @@ class Training:
             updates_per_rollout=steps,
             critic_steps=cfg.critic.steps_per_rollout,
             logits_chunk=cfg.model.logits_chunk,
+            pack_tokens=cfg.learner.pack_tokens,
             advantage=AdvantageHParams(
                 gamma=cfg.algo.gamma,
                 lam=cfg.algo.lam,
@@ -236,14 +240,8 @@ class Training:
                 grpo_use_std=cfg.algo.grpo_use_std,
             ),
         )
-        self.learner = Learner(
-            actor_graphdef,
-            critic_graphdef,
-            algo,
-            hparams,
-            lcfg,
-            self.actor_tx,
-            self.critic_tx,
+        self._learner_args = (algo, hparams, lcfg, self.actor_tx, self.critic_tx)
+        self._learner_kwargs = dict(
             mesh=mesh,
             state_shardings=self.shardings,
             offload=OffloadConfig(
@@ -252,6 +250,26 @@ class Training:
                 reference=cfg.offload.reference,
             ),
         )
+        self.learner = Learner(
+            actor_graphdef, critic_graphdef, *self._learner_args, **self._learner_kwargs
+        )
+        self._budget_learners = {model_cfg.num_loops: self.learner}
+
+    def learner_for(self, loops: int | None) -> Learner:
+        """The learner whose actor, reference and critic run `loops` loops (a loop budget; None:
+        all): the same parameters under graphdefs of config.num_loops = K, so a K-loop update
+        costs K loops; built (and compiled) once per distinct K."""
+        loops = self.model_cfg.num_loops if loops is None else loops
+        if loops not in self._budget_learners:
+            budget_cfg = self.model_cfg.replace(num_loops=loops)
+            actor = nnx.split(abstract_model(budget_cfg, "actor"))[0]
+            critic = None
+            if self.critic_abstract is not None:
+                critic = nnx.split(abstract_model(budget_cfg, "critic"))[0]
+            self._budget_learners[loops] = Learner(
+                actor, critic, *self._learner_args, **self._learner_kwargs
+            )
+        return self._budget_learners[loops]
 
     def fresh_state(self) -> TrainState:
         cfg = self.cfg
@@ -311,16 +329,17 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
         ),
+        loop_budget=parse_loop_budget(cfg.model.loop_budget),
     )
 
 
-def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None):
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
     """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
     if cfg.rollout.engine == "jax":
         from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
         return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
-    from jaxloop.rollout.ray_bridge import RayRolloutClient
+    from jaxloop.rollout.ray.client import RayRolloutClient
 
     return RayRolloutClient(cfg, actor, settings)
 
@@ -387,7 +406,7 @@ class Trainer:
             if cfg.rollout.engine == "jax"
             else self.training.actor_model(self.state)
         )
-        self.producer = build_producer(cfg, engine_model, settings, self.mesh)
+        self.producer: RolloutSource = build_producer(cfg, engine_model, settings, self.mesh)
         if cursor is not None:
             self.producer.restore(cursor)
         # remote engines generate while the learner trains; the embedded sampler shares the
@@ -428,7 +447,8 @@ class Trainer:
         return self.state.version
 
     def publish(self):
-        return self.producer.publish(self.training.policy(self.state), self.state.version)
+        params, config = self.training.policy(self.state), self.training.actor_abstract.config
+        return self.producer.publish(Policy(params, self.state.version, config))
 
     def staleness(self, samples) -> dict[str, float]:
         """How many versions older than the policy being trained the batch's samples are."""
@@ -499,14 +519,24 @@ class Trainer:
         if not samples:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
         metrics.update(self.staleness(samples))
+        # the loop budget of this update: sampler, recompute, loss and critic all run K loops
+        loops = self.training.model_cfg.num_loops
+        loops = loop_budget_at(parse_loop_budget(cfg.model.loop_budget), update) or loops
+        sampled = {x.extras.get("loop_budget", loops) for x in samples}
+        if sampled != {loops}:
+            raise RuntimeError(f"update {update}: samples ran {sampled} loops, the trainer {loops}")
+        metrics["loop_budget"] = float(loops)
+        learner = self.training.learner_for(loops)
         batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
-        device_batch = self.learner.place_batch(batch.arrays())
+        if cfg.learner.pack_tokens > 0:  # one sample length: the packed learner's shapes are fixed
+            batch = batch.with_length(cfg.learner.pack_tokens + 1)
+        device_batch = learner.place_batch(batch.arrays())
         t1 = time.perf_counter()
         if not cfg.draft_features.enabled:
-            old_lp = self.learner.old_logprobs(self.state, device_batch)
+            old_lp = learner.old_logprobs(self.state, device_batch)
         else:  # the same forward also yields the draft-model features
             # every process runs the same programs (SPMD); only process 0 writes the features
-            old_lp, hidden = self.learner.old_logprobs(self.state, device_batch, with_hidden=True)
+            old_lp, hidden = learner.old_logprobs(self.state, device_batch, with_hidden=True)
             hidden = shd.to_host(hidden)
             if self.features is not None:
                 metrics["draft_feature_tokens"] = float(
@@ -517,11 +547,11 @@ class Trainer:
         if metrics["staleness_max"] == 0:  # a batch of older versions cannot be checked
             metrics.update(self.check_logprobs(update, batch, old_lp_host))
         t_update = time.perf_counter()
-        self.state, update_metrics = self.learner.update(
+        self.state, update_metrics = learner.update(
             self.state, {**device_batch, "old_logprobs": old_lp}
         )
         metrics.update(metrics_to_host(update_metrics))
-        metrics.update(self.learner.last_moves)
+        metrics.update(learner.last_moves)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         in_a_row, limit = int(self.state.consecutive_skips), cfg.optim.max_skipped_updates
         if in_a_row >= limit:  # nothing of this update is saved: the last checkpoint stays good

@@ -4,6 +4,16 @@
     python scripts/bench_model.py --config nanbeige-3b --batch 4 --seq 2048 --remat full \\
         --attention cudnn                                               # GPU only
 
+    python scripts/bench_model.py --config tiny --packing --batch 64 --seq 256 --repeats 5
+
+--packing: the learner's padded vs packed layout (learner.pack_tokens) in one run, on one batch
+of --batch samples whose lengths are drawn from a long-tailed distribution (log-normal, median
+--seq / 8, clipped to 8..--seq, seeded): padded = [batch, longest] with an attention mask;
+packed = the same samples first-fit-decreasing in rows of --seq tokens (jaxloop.rl.packing,
+segment ids). Each timed --steps forward + backward passes of the mean log-likelihood of the real
+tokens, --repeats times; tokens/s = real tokens / median step time, for both layouts, and the two
+losses (they must agree).
+
 --config: tiny | tiny-ouro | nanbeige-3b | ouro-1.4b, an HF model dir, or a config.json path.
 Parameters are random (no checkpoint is read). Prints a table, then one JSON line (last line of
 stdout) with tokens/s, TFLOP/s, step time, compile time, peak device memory (GPU) and the
@@ -121,6 +131,13 @@ def parse_args(argv=None):
         help="sharded: the trainer's path (parameters on a mesh of all local devices by their "
         "logical axes, the batch over data x fsdp, activation constraints under jax.set_mesh)",
     )
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="padded vs packed learner layout on long-tailed sample lengths (--seq: row tokens)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--packing: timed repeats (median)")
+    p.add_argument("--seed", type=int, default=0, help="--packing: seed of the sample lengths")
     return p.parse_args(argv)
 
 
@@ -139,6 +156,10 @@ def run(args) -> dict:
         raise ConfigError("--attention cudnn needs a GPU")
     if min(args.batch, args.seq, args.steps) < 1:
         raise ConfigError("--batch, --seq and --steps must be positive")
+    if args.packing:
+        if args.path != "plain" or args.repeats < 1:
+            raise ConfigError("--packing runs on --path plain with --repeats >= 1")
+        return run_packing(args, cfg, build_model(cfg), device)
     model = build_model(cfg)
     n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     flops, per_layer = flops_per_step(cfg, args.batch, args.seq)
@@ -192,6 +213,77 @@ def _time(args, cfg, model, step, params, ids, n_params, flops, per_layer, devic
         "host_peak_rss_gib": host_peak_rss_gib(),
         "steps": args.steps,
     }
+
+
+def long_tailed_lengths(n: int, longest: int, seed: int) -> np.ndarray:
+    """Sample lengths as RL responses come: most short, a few long (log-normal, sigma 1)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(np.log(max(longest / 8, 1)), 1.0, n)
+    return np.clip(np.round(lengths), min(8, longest), longest).astype(np.int64)
+
+
+def run_packing(args, cfg: LoopedConfig, model: LoopedLM, device) -> dict:
+    from jaxloop.rl.packing import pack_groups
+
+    lengths = long_tailed_lengths(args.batch, args.seq, args.seed)
+    longest, real = int(lengths.max()), int(lengths.sum())
+    rng = np.random.default_rng(args.seed + 1)
+    tokens = rng.integers(0, cfg.vocab_size, (args.batch, longest + 1)).astype(np.int32)
+    attn = np.arange(longest + 1)[None, :] < lengths[:, None]
+    plan = pack_groups(tokens, attn, np.arange(args.batch)[None], args.seq)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, ids, targets, positions, segment_ids, weights):
+        m = nnx.merge(graphdef, params, rest)
+        mask = weights > 0 if segment_ids is None else segment_ids > 0
+        logits = m.forward(ids, positions, mask, segment_ids=segment_ids).logits
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return -jnp.sum(picked * weights) / jnp.sum(weights)
+
+    step = jax.jit(jax.value_and_grad(loss_fn))
+    padded_in = (tokens[:, :-1], tokens[:, 1:], None, None, attn[:, :-1].astype(np.float32))
+    packed_in = (
+        plan.tokens,
+        plan.targets,
+        plan.positions,
+        plan.segment_ids,
+        (plan.segment_ids > 0).astype(np.float32),
+    )
+    result = {
+        "config": args.config,
+        "device": f"{device.platform}:{device.device_kind}",
+        "dtype": args.dtype,
+        "samples": args.batch,
+        "real_tokens": real,
+        "length_median": int(np.median(lengths)),
+        "length_max": longest,
+        "padded_shape": f"{args.batch}x{longest}",
+        "packed_shape": f"{plan.tokens.shape[0]}x{args.seq}",
+        "padded_fill": round(real / (args.batch * longest), 3),
+        "packed_fill": round(real / plan.tokens.size, 3),
+    }
+    for name, inputs in (("padded", padded_in), ("packed", packed_in)):
+        inputs = tuple(None if x is None else jnp.asarray(x) for x in inputs)
+        t0 = time.perf_counter()
+        loss, grads = step(params, *inputs)
+        jax.block_until_ready((loss, grads))
+        result[f"{name}_first_step_s"] = round(time.perf_counter() - t0, 2)
+        for _ in range(args.warmup):
+            jax.block_until_ready(step(params, *inputs))
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                out = step(params, *inputs)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / args.steps)
+        result[f"{name}_loss"] = round(float(loss), 6)
+        result[f"{name}_step_s"] = round(float(np.median(times)), 5)
+        result[f"{name}_tokens_per_s"] = round(real / float(np.median(times)), 1)
+    result["speedup"] = round(result["packed_tokens_per_s"] / result["padded_tokens_per_s"], 3)
+    result.update(repeats=args.repeats, steps=args.steps, seed=args.seed)
+    return result
 
 
 def main(argv=None) -> int:

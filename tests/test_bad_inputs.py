@@ -460,6 +460,31 @@ CATALOGUE = [
         "cannot import reward function",
         dry=True,
     ),
+    # ---- loop budgets
+    Row("loop budget not K@N", _args("--config.model.loop_budget=2@x"), "is not K@N", dry=True),
+    Row(
+        "loop budget not starting at update 0",
+        _args("--config.model.loop_budget=1@5,2@9"),
+        "must start at 0 and increase",
+        dry=True,
+    ),
+    Row(
+        "loop budget deeper than the model",
+        _args("--config.model.loop_budget=1@0,3@2"),
+        "K=3 exceeds the model's num_loops=2",
+        dry=True,
+    ),
+    Row(
+        "loop budget deeper than the HF model",
+        lambda ctx: _hf(ctx, lambda p: None) + ["--config.model.loop_budget=4@0"],
+        "K=4 exceeds the model's num_loops=2",
+    ),
+    Row(
+        "loop budget with vLLM engines",
+        _args("--config.rollout.engine=vllm", "--config.model.loop_budget=1@0"),
+        "model.loop_budget needs rollout.engine=jax",
+        dry=True,
+    ),
 ]
 
 

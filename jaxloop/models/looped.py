@@ -112,9 +112,16 @@ class LoopedLM(nnx.Module):
         return_loops: bool = False,
         logits_slice: slice | None = None,
         head: bool = True,
+        depths: jax.Array | None = None,
+        num_loops: int | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> ModelOutput:
         """head=False: no LM-head projection (logits None; callers that project the hidden
-        states themselves, chunk by chunk, never hold [B, S, V])."""
+        states themselves, chunk by chunk, never hold [B, S, V]).
+
+        depths: int32 [B, S] in 1..num_loops, per-position exit depth (depth replay; None: full
+        depth). num_loops: a static loop budget K <= config.num_loops (the first K loops run,
+        costing K loops; None: all). See `looped_forward` for the semantics."""
         return looped_forward(
             self,
             input_ids,
@@ -124,6 +131,9 @@ class LoopedLM(nnx.Module):
             return_loops=return_loops,
             logits_slice=logits_slice,
             head=head,
+            depths=depths,
+            num_loops=num_loops,
+            segment_ids=segment_ids,
         )
 
 
@@ -155,11 +165,50 @@ def looped_forward(
     return_loops: bool = False,
     logits_slice: slice | None = None,
     head: bool = True,
+    depths: jax.Array | None = None,
+    num_loops: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> ModelOutput:
+    """The looped decoder, optionally with a static loop budget and per-position exit depths.
+
+    num_loops=K (a Python int, 1..config.num_loops): only the first K loops run (K loops of
+    compute, one compile per K); the outputs are those of a K-loop model. With a cache, the K
+    loops read and write cache slots 0..K-1 and leave the deeper slots untouched (a K-loop
+    decode never reads them).
+
+    depths (int32 [B, S], each in 1..K; depth replay, LAST_EXITED semantics): position i's
+    outputs (hidden, logits, values) are its state after loop depths[b, i], taken after the norm
+    that ends that loop. At loop t (0-based) a position with depths <= t is frozen: its hidden
+    state is not updated, and at every layer of loop t the keys / values it shows to the other
+    positions (and writes into the cache slot of loop t) are the ones it computed at that layer
+    in its own last loop, depths - 1. So a token that exits at depth d fills the slots of loops
+    >= d with its loop d-1 keys / values, and prefill + decode with per-token depths equals the
+    full-sequence replay. depths == K everywhere equals depths=None.
+    Families whose loops do not end with a norm (Nanbeige with skip_loop_final_norm): the state
+    that feeds the next loop stays un-normed, but an exited position's output is
+    final_norm(state after loop d), i.e. normed the way the head (and Ouro's exit gate, which reads
+    every step's normed output) sees a model that stops there. Ouro and default Nanbeige end every
+    loop with final_norm, so their exited output is that loop's normed state.
+    return_loops with depths: entry t is a position's output after loop min(t + 1, depths) (entry
+    t of an exited position is its exit output; un-exited positions of a family without a norm
+    between loops keep today's un-normed entries), and exit_probs are computed from those.
+    depths=None adds no work: the replay is a Python-level branch.
+
+    segment_ids (int32 [B, S], 0 = padding; packed rows, no cache): a position attends only to
+    earlier positions of its own segment (in every loop, to that loop's keys), with `positions`
+    given explicitly (restarting per segment). The cudnn kernel takes no segments: the mask
+    path runs instead."""
     cfg = model.config
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = input_ids.shape
     eps = cfg.rms_norm_eps
+    loops = cfg.num_loops if num_loops is None else int(num_loops)
+    if not 1 <= loops <= cfg.num_loops:
+        raise ValueError(f"num_loops={num_loops} is outside 1..{cfg.num_loops}")
+    if depths is not None:
+        if depths.shape != (b, s):
+            raise ValueError(f"depths has shape {depths.shape}, expected {(b, s)}")
+        depths = depths.astype(jnp.int32)
 
     if attention_mask is None:
         attention_mask = jnp.ones((b, s), jnp.bool_)
@@ -176,10 +225,14 @@ def looped_forward(
     weights = _block_weights(model.blocks)
     final_norm = model.final_norm[...].astype(cdt)
 
+    if segment_ids is not None and (cache is not None or positions is None):
+        raise ValueError("segment_ids need explicit positions and no cache (packed training rows)")
     if cache is None:
         causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
         mask = causal[None] & attention_mask[:, None, :]
-        use_cudnn = cfg.attention_impl == "cudnn"
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        use_cudnn = cfg.attention_impl == "cudnn" and segment_ids is None
         valid = None
     else:
         t = cache.max_length
@@ -189,7 +242,7 @@ def looped_forward(
         mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
         use_cudnn = False
 
-    def layer(h, w, kv_slot):
+    def layer(h, w, kv_slot, last_kv, active):
         w = {name: x.astype(cdt) for name, x in w.items()}
         x = L.rms_norm(h, w["input_norm"], eps)
         q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
@@ -198,6 +251,13 @@ def looped_forward(
         q = constrain(L.apply_rope(q, cos, sin), Q_AXES)
         k = constrain(L.apply_rope(k, cos, sin), KV_AXES)
         v = constrain(v, KV_AXES)
+        new_last = None
+        if last_kv is not None:
+            # LAST_EXITED: a frozen position shows the keys / values of its own last loop
+            keep = active[:, :, None, None]
+            k = jnp.where(keep, k, last_kv[0])
+            v = jnp.where(keep, v, last_kv[1])
+            new_last = (k, v)
         if kv_slot is not None:
             k_cache, v_cache = kv_slot
             k = jax.lax.dynamic_update_slice(
@@ -222,41 +282,67 @@ def looped_forward(
         m = L.swiglu(x, w["gate_proj"], w["up_proj"], w["down_proj"])
         if cfg.sandwich_norm:
             m = L.rms_norm(m, w["mlp_out_norm"], eps)
-        return constrain(h + m, HIDDEN_AXES), new_slot
+        return constrain(h + m, HIDDEN_AXES), (new_slot, new_last)
 
     layer = _remat(layer, cfg.remat)
 
-    def run_layers(h, loop_cache):
+    def run_layers(h, loop_cache, last_kv, active):
         def body(h, xs):
-            w, kv_slot = xs
-            h, new_slot = layer(h, w, kv_slot)
-            return h, new_slot
+            w, kv_slot, layer_last_kv = xs
+            return layer(h, w, kv_slot, layer_last_kv, active)
 
-        return jax.lax.scan(body, h, (weights, loop_cache))
+        return jax.lax.scan(body, h, (weights, loop_cache, last_kv))
 
     def run_loop(carry, xs):
-        h, loop_index = carry
-        h, new_loop_cache = run_layers(h, xs)
-        is_last = loop_index == cfg.num_loops - 1
-        if cfg.norm_between_loops:
-            h = L.rms_norm(h, final_norm, eps)
+        h, loop_index, last_kv = carry
+        active = None if depths is None else depths > loop_index
+        h_out, (new_loop_cache, last_kv) = run_layers(h, xs, last_kv, active)
+        is_last = loop_index == loops - 1
+        if depths is None:
+            if cfg.norm_between_loops:
+                h = L.rms_norm(h_out, final_norm, eps)
+            else:
+                h = jnp.where(is_last, L.rms_norm(h_out, final_norm, eps), h_out)
+            out = h
         else:
-            h = jnp.where(is_last, L.rms_norm(h, final_norm, eps), h)
-        ys = (new_loop_cache, h if return_loops else None)
-        return (h, loop_index + 1), ys
+            keep = active[..., None]
+            if cfg.norm_between_loops:
+                h = jnp.where(keep, L.rms_norm(h_out, final_norm, eps), h)
+                out = h
+            else:
+                h = jnp.where(keep, h_out, h)
+                normed = L.rms_norm(h, final_norm, eps)
+                exited = (depths <= loop_index + 1)[..., None]
+                out = jnp.where(is_last | exited, normed, h)
+                h = jnp.where(is_last, normed, h)
+        ys = (new_loop_cache, out if return_loops else None)
+        return (h, loop_index + 1, last_kv), ys
 
     # the lookup gathers whole rows: the table's hidden width is gathered first (as FSDP does for
     # every weight), its vocab rows may stay split over 'tensor'
     table = constrain(model.embed[...].astype(cdt), ("vocab", "act_embed"))
     h0 = constrain(table[input_ids], HIDDEN_AXES)
-    loop_xs = None if cache is None else (cache.k, cache.v)
-    (h, _), (new_kv, loop_hidden) = jax.lax.scan(
-        run_loop, (h0, jnp.int32(0)), loop_xs, length=cfg.num_loops
+    if cache is None:
+        loop_xs = None
+    elif loops == cfg.num_loops:
+        loop_xs = (cache.k, cache.v)
+    else:
+        loop_xs = (cache.k[:loops], cache.v[:loops])
+    last_kv0 = None
+    if depths is not None:
+        # every position is active in loop 0, so these zeros are never read
+        kv_shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
+        last_kv0 = (jnp.zeros(kv_shape, cdt), jnp.zeros(kv_shape, cdt))
+    (h, _, _), (new_kv, loop_hidden) = jax.lax.scan(
+        run_loop, (h0, jnp.int32(0), last_kv0), loop_xs, length=loops
     )
 
     new_cache = None
     if cache is not None:
-        new_cache = KVCache(k=new_kv[0], v=new_kv[1], valid=valid, index=cache.index + s)
+        new_k, new_v = new_kv
+        if loops < cfg.num_loops:
+            new_k, new_v = cache.k.at[:loops].set(new_k), cache.v.at[:loops].set(new_v)
+        new_cache = KVCache(k=new_k, v=new_v, valid=valid, index=cache.index + s)
 
     hidden = h if logits_slice is None else h[:, logits_slice]
     logits = values = loop_logits = exit_probs = None

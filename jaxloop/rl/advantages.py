@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "AdvantageInputs",
     "gae_estimator",
     "grpo_estimator",
-    "check_group_sizes",
     "gae",
     "grpo",
     "masked_mean",
@@ -168,7 +166,8 @@ def grpo(
 
     ``group_ids`` may be arbitrary integers (they are densified with a sized ``jnp.unique``, so
     the function jits); groups are reduced with ``segment_sum(num_segments=B)``. A group of one
-    sample gets advantage 0 (call ``check_group_sizes`` host-side to refuse such batches).
+    sample gets advantage 0 (the config validation refuses GRPO with n_samples_per_prompt < 2;
+    the producer drops groups that non-finite rewards left with one sample).
     """
     mask = mask.astype(jnp.float32)
     scores = scores.astype(jnp.float32)
@@ -236,16 +235,3 @@ def grpo_estimator(inputs: AdvantageInputs, hp: AdvantageHParams):
     """Group-relative advantages; no returns (no critic). A KL to the reference enters GRPO's loss,
     not its rewards."""
     return grpo(inputs.scores, inputs.group_ids, inputs.mask, use_std=hp.grpo_use_std), None
-
-
-def check_group_sizes(group_ids) -> None:
-    """Host-side check for GRPO batches: every group needs at least 2 samples."""
-    ids = np.asarray(group_ids).reshape(-1)
-    uniq, counts = np.unique(ids, return_counts=True)
-    small = uniq[counts < 2]
-    if small.size:
-        raise ValueError(
-            "GRPO needs n_samples_per_prompt >= 2 (group-relative advantages of a single sample "
-            f"are 0); groups with fewer than 2 samples: {small[:10].tolist()}"
-            f"{' ...' if small.size > 10 else ''}"
-        )

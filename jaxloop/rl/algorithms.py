@@ -19,7 +19,7 @@ class Algorithm:
     ``LossHParams.kl_coef > 0``); needs_old_policy_logits: the loss needs D_t = full-vocab
     KL(pi_old || pi_theta) (Flow-DPPO); default_updates_per_rollout: optimizer steps per rollout
     (Flow-DPPO: 2, each on half the completions); requires_groups: several samples per prompt
-    (GRPO; see ``advantages.check_group_sizes``)."""
+    (GRPO; the config validation refuses n_samples_per_prompt < 2)."""
 
     name: str
     policy_loss: str

@@ -109,5 +109,20 @@ class RolloutBatch:
         fields["group_ids"][n:] = np.arange(first, first + extra, dtype=np.int32)
         return RolloutBatch(**fields)
 
+    def with_length(self, seq: int) -> RolloutBatch:
+        """The same samples in rows of exactly `seq` tokens (padding columns added or removed;
+        learner.pack_tokens > 0 gives every batch one shape). A real token never is cut."""
+        if self.attention_mask[:, seq:].any():
+            longest = int(self.attention_mask.sum(axis=1).max())
+            raise ValueError(f"a sample of {longest} tokens does not fit {seq} tokens")
+        fields = {}
+        for name in BATCH_FIELDS:
+            x = getattr(self, name)
+            if x.ndim == 2:
+                width = seq if name in ("tokens", "attention_mask") else seq - 1
+                x = np.pad(x[:, :width], ((0, 0), (0, max(width - x.shape[1], 0))))
+            fields[name] = x
+        return RolloutBatch(**fields)
+
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in BATCH_FIELDS}

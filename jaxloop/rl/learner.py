@@ -41,6 +41,7 @@ from jaxloop.rl.losses import (
     reduce_loss,
     value_loss,
 )
+from jaxloop.rl.packing import PACK_KEYS, pack_groups
 from jaxloop.rl.state import COUNTERS, TrainState
 
 
@@ -99,17 +100,45 @@ def actor_token_stats(
     chunk > 0: the LM head is applied to `chunk` positions at a time under remat, so only one
     chunk's [B, chunk, V] logits exist at once, in the forward and in the backward pass (the
     gradient recomputes them); chunk = 0 (or >= T): the whole sequence at once."""
+    inputs = (tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], None, None)
+    return input_token_stats(graphdef, params, inputs, temperature, chunk, old_params)
+
+
+def packed_token_stats(graphdef, params, rows: dict, temperature, chunk: int = 0, old_params=None):
+    """`actor_token_stats` of packed rows (`rows_*` of a micro-batch, jaxloop.rl.packing), each
+    result gathered back to the micro-batch's samples [micro, T, ...] (0 off their tokens)."""
+    segments = rows["rows_segment_ids"]
+    inputs = (rows["rows_tokens"], rows["rows_targets"], segments > 0, rows["rows_positions"])
+    stats = input_token_stats(
+        graphdef, params, inputs + (segments,), temperature, chunk, old_params
+    )
+    return tuple(None if x is None else unpack_rows(x, rows["rows_index"]) for x in stats)
+
+
+def unpack_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """[R, P, ...] results of packed rows -> [micro, T, ...] by `index` (1 + flat row position;
+    0 reads 0)."""
+    flat = x.reshape((-1,) + x.shape[2:])
+    flat = jnp.concatenate([jnp.zeros((1,) + flat.shape[1:], flat.dtype), flat], axis=0)
+    return flat[index]
+
+
+def input_token_stats(graphdef, params, inputs: tuple, temperature, chunk=0, old_params=None):
+    """`actor_token_stats` of model inputs (input ids, targets, attention mask, positions or None,
+    segment ids or None), all [B, T]."""
+    input_ids, targets, attention_mask, positions, segment_ids = inputs
     model = nnx.merge(graphdef, params)
-    out = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1], head=False)
+    out = model.forward(input_ids, positions, attention_mask, head=False, segment_ids=segment_ids)
     cdt = jnp.dtype(model.config.compute_dtype)
     lm_head = model.lm_head[...].astype(cdt)
     old_hidden = old_head = None
     if old_params is not None:
         old = nnx.merge(graphdef, old_params)
-        hidden = old.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1], head=False)
+        hidden = old.forward(
+            input_ids, positions, attention_mask, head=False, segment_ids=segment_ids
+        )
         old_hidden = jax.lax.stop_gradient(hidden.hidden)
         old_head = jax.lax.stop_gradient(old.lm_head[...].astype(cdt))
-    targets = tokens[:, 1:]
 
     def stats(h, t, oh):
         logits = project(h, lm_head) / temperature
@@ -146,6 +175,16 @@ def token_values(graphdef, params, tokens, attention_mask):
     return model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1]).values
 
 
+def packed_token_values(graphdef, params, rows: dict):
+    """`token_values` of packed rows, gathered back to the micro-batch's samples."""
+    model = nnx.merge(graphdef, params)
+    segments = rows["rows_segment_ids"]
+    values = model.forward(
+        rows["rows_tokens"], rows["rows_positions"], segments > 0, segment_ids=segments
+    ).values
+    return unpack_rows(values, rows["rows_index"])
+
+
 def _micro_axes(x: jax.Array, micro_axis: int) -> tuple:
     axes = [None] * x.ndim
     axes[micro_axis] = "batch"
@@ -165,6 +204,17 @@ def _split_micro(batch: dict, micro: int) -> dict:
         return shd.constrain(x, _micro_axes(x, 1))
 
     return {k: pad(v) for k, v in batch.items()}
+
+
+def _split_rows(batch: dict, prefix: str, leading: tuple) -> dict:
+    """Packed rows [prod(leading) * R, P] of `batch` -> `rows_*` [*leading, R, P], the rows
+    axis sharded (each micro-batch's rows spread over the data-parallel devices)."""
+    out = {}
+    for key in PACK_KEYS:
+        x = batch[prefix + key]
+        x = x.reshape(leading + (-1,) + x.shape[1:])
+        out["rows_" + key] = shd.constrain(x, _micro_axes(x, len(leading)))
+    return out
 
 
 def _step_plan(n: int, steps: int, micro: int) -> np.ndarray:
@@ -210,6 +260,8 @@ class LearnerConfig:
     critic_steps: int
     advantage: adv_lib.AdvantageHParams = adv_lib.AdvantageHParams()
     logits_chunk: int = 0  # positions per LM-head chunk (0: the whole sequence)
+    # > 0: each micro-batch's samples packed into rows of this many tokens (jaxloop.rl.packing)
+    pack_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +309,8 @@ class Learner:
         self.mesh = mesh
         self.state_shardings = state_shardings
         self.offload = offload
+        # packed rows per micro-batch are a multiple of the data-parallel size (even shards)
+        self.row_multiple = 1 if mesh is None else shd.data_parallel_size(mesh)
         self.last_moves: dict[str, float] = {}
         # the phases of an offloaded update (the fused `_update` is the same three in one)
         self._prepare = jax.jit(self._prepare_impl)
@@ -287,10 +341,31 @@ class Learner:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def place_batch(self, arrays: dict) -> dict:
-        """Host arrays -> device arrays, sample axis over the data-parallel mesh axes."""
+        """Host arrays -> device arrays, sample axis over the data-parallel mesh axes; with
+        packing, plus the packed rows of both micro-batch layouts (`pack_plan`)."""
+        if self.cfg.pack_tokens > 0:
+            arrays = {**arrays, **self.pack_plan(arrays)}
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
         return {k: shd.put_global(v, self.batch_sharding) for k, v in arrays.items()}
+
+    def pack_plan(self, arrays: dict) -> dict[str, np.ndarray]:
+        """The packing of one batch (host arrays, deterministic): `pack_*` for the per-sample
+        passes and the critic (micro-batches of consecutive samples, `_split_micro`), `step_pack_*`
+        for the policy steps (each step's micro-batches, `_step_plan`). Each micro-batch's samples
+        fill rows of cfg.pack_tokens tokens; the rows, like the padded path's samples, are split
+        over the data-parallel devices, so packing saves work when a micro-batch holds several
+        samples per device."""
+        cfg = self.cfg
+        tokens, attn = arrays["tokens"], arrays["attention_mask"]
+        n, micro = tokens.shape[0], cfg.micro_batch_size
+        whole = np.arange(round_up(n, micro)).reshape(-1, micro)
+        steps = _step_plan(n, cfg.updates_per_rollout, micro).reshape(-1, micro)
+        plans = {}
+        for prefix, groups in (("pack_", whole), ("step_pack_", steps)):
+            packed = pack_groups(tokens, attn, groups, cfg.pack_tokens, self.row_multiple)
+            plans.update(packed.arrays(prefix))
+        return plans
 
     # ---- the public pure functions ----
     def old_logprobs(self, state: TrainState, batch: dict, with_hidden: bool = False):
@@ -390,35 +465,55 @@ class Learner:
         return _next_state(state, trained, counted, metrics)
 
     # ---- implementations ----
+    def _model_inputs(self, batch: dict) -> dict:
+        """The per-sample model inputs of `batch` ([N, ...]): tokens and attention mask, or
+        with packing the index into the packed rows."""
+        if self.cfg.pack_tokens > 0:
+            return {"rows_index": batch["pack_index"]}
+        return {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]}
+
+    def _split_inputs(self, batch: dict, per_sample: dict) -> dict:
+        """`_split_micro` of per-sample fields plus, with packing, the micro-batches' rows."""
+        mb = _split_micro(per_sample, self.cfg.micro_batch_size)
+        if self.cfg.pack_tokens > 0:
+            mb.update(_split_rows(batch, "pack_", (next(iter(mb.values())).shape[0],)))
+        return mb
+
     def _per_sample(self, fn, params, batch: dict):
-        """fn(params, tokens, attention_mask) over micro-batches; results back as [N, ...]."""
+        """fn(params, micro-batch inputs) over micro-batches; results back as [N, ...]."""
         n = batch["tokens"].shape[0]
-        mb = _split_micro(
-            {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]},
-            self.cfg.micro_batch_size,
-        )
-        out = jax.lax.scan(
-            lambda _, x: (None, fn(params, x["tokens"], x["attention_mask"])), None, mb
-        )[1]
+        mb = self._split_inputs(batch, self._model_inputs(batch))
+        out = jax.lax.scan(lambda _, x: (None, fn(params, x)), None, mb)[1]
         return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:n], out)
 
-    def _token_stats(self, params, tokens, attention_mask, old_params=None):
+    def _token_stats(self, params, x: dict, old_params=None):
+        """Per-sample token stats of a micro-batch `x` (padded samples or packed rows)."""
+        cfg = self.cfg
+        if "rows_index" in x:
+            return packed_token_stats(
+                self.actor_graphdef, params, x, cfg.temperature, cfg.logits_chunk, old_params
+            )
         return actor_token_stats(
             self.actor_graphdef,
             params,
-            tokens,
-            attention_mask,
-            self.cfg.temperature,
-            self.cfg.logits_chunk,
+            x["tokens"],
+            x["attention_mask"],
+            cfg.temperature,
+            cfg.logits_chunk,
             old_params,
         )
 
-    def _actor_logprobs(self, params, tokens, attention_mask):
-        return self._token_stats(params, tokens, attention_mask)[0]
+    def _values(self, params, x: dict):
+        if "rows_index" in x:
+            return packed_token_values(self.critic_graphdef, params, x)
+        return token_values(self.critic_graphdef, params, x["tokens"], x["attention_mask"])
+
+    def _actor_logprobs(self, params, x: dict):
+        return self._token_stats(params, x)[0]
 
     def _old_logprobs_impl(self, actor_params, batch: dict, with_hidden: bool):
-        def fn(params, tokens, attention_mask):
-            lp, _, _, hidden = self._token_stats(params, tokens, attention_mask)
+        def fn(params, x):
+            lp, _, _, hidden = self._token_stats(params, x)
             return (lp, hidden) if with_hidden else lp
 
         return self._per_sample(fn, actor_params, batch)
@@ -429,10 +524,7 @@ class Learner:
 
         def micro_loss(p, x):
             lp, entropy, old_kl, _ = self._token_stats(
-                p,
-                x["tokens"],
-                x["attention_mask"],
-                old_params if algo.needs_old_policy_logits else None,
+                p, x, old_params if algo.needs_old_policy_logits else None
             )
             inputs = LossInputs(
                 logprobs=lp,
@@ -454,7 +546,7 @@ class Learner:
 
     def _critic_micro_loss(self, num_samples, num_tokens):
         def micro_loss(p, x):
-            values = token_values(self.critic_graphdef, p, x["tokens"], x["attention_mask"])
+            values = self._values(p, x)
             per_token, metrics = value_loss(
                 values,
                 x["old_values"],
@@ -479,9 +571,7 @@ class Learner:
             out["ref_logprobs"] = self._per_sample(self._actor_logprobs, ref_params, batch)
             token_kl = old_lp - out["ref_logprobs"]
         if critic_params is not None:
-            values = out["values"] = self._per_sample(
-                lambda p, t, a: token_values(self.critic_graphdef, p, t, a), critic_params, batch
-            )
+            values = out["values"] = self._per_sample(self._values, critic_params, batch)
         estimator = adv_lib.ADVANTAGE_ESTIMATORS[self.algorithm.advantage]
         out["advantages"], returns = estimator(
             adv_lib.AdvantageInputs(
@@ -504,9 +594,9 @@ class Learner:
         """`updates_per_rollout` optimizer steps, each on its part of the batch. Returns
         (params, opt state, first step applied, all steps applied, metrics)."""
         cfg = self.cfg
+        packed = cfg.pack_tokens > 0
         fields = {
-            "tokens": batch["tokens"],
-            "attention_mask": batch["attention_mask"],
+            **({"rows_index": batch["step_pack_index"]} if packed else self._model_inputs(batch)),
             "mask": batch["response_mask"],
             "old_logprobs": batch["old_logprobs"],
             "behav_logprobs": batch["behav_logprobs"],
@@ -525,6 +615,8 @@ class Learner:
             return shd.constrain(x, _micro_axes(x, 2))
 
         parts = {name: gather(x) for name, x in fields.items()}
+        if packed:  # index n (an empty slot) gathered an all-zero index row: it reads 0
+            parts.update(_split_rows(batch, "step_pack_", (plan.shape[0], k)))
         # pi_old (Flow-DPPO): the actor parameters this update received, frozen for its steps
         old_params = actor_params if self.algorithm.needs_old_policy_logits else None
 
@@ -558,15 +650,14 @@ class Learner:
     def _critic_impl(self, critic_params, critic_opt, batch: dict, prepared: dict):
         """`critic.steps_per_rollout` value-loss steps on the whole batch."""
         cfg, mask = self.cfg, batch["response_mask"]
-        cbatch = _split_micro(
+        cbatch = self._split_inputs(
+            batch,
             {
-                "tokens": batch["tokens"],
-                "attention_mask": batch["attention_mask"],
+                **self._model_inputs(batch),
                 "mask": mask,
                 "old_values": prepared["values"],
                 "returns": prepared["returns"],
             },
-            cfg.micro_batch_size,
         )
         micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
 

@@ -25,7 +25,7 @@ from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
 from jaxloop.models.looped import LoopedLM
 from jaxloop.parallel import mesh as shd
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 # [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads
@@ -134,12 +134,26 @@ class JaxSamplerEngine:
 
     def __post_init__(self):
         self._graphdef, _ = nnx.split(self.model)
+        self._budget_graphdefs = {self.model.config.num_loops: self._graphdef}
         if self.mesh is not None:
             self.batch_multiple = math.lcm(self.batch_multiple, shd.data_parallel_size(self.mesh))
 
     @property
     def version(self) -> int | None:
         return self._version
+
+    def _graphdef_for(self, num_loops: int):
+        """The decoder with config.num_loops = K (same parameters): a K-loop program with a
+        K-slot KV cache, compiled once per distinct K (the graphdef is a static argument)."""
+        if num_loops not in self._budget_graphdefs:
+            full = self.model.config.num_loops
+            if not 1 <= num_loops <= full:
+                raise ValueError(f"sampling.num_loops={num_loops} is outside 1..{full}")
+            graphdef, state = nnx.split(self.model)
+            clone = nnx.merge(graphdef, state)
+            clone.config = clone.config.replace(num_loops=num_loops)
+            self._budget_graphdefs[num_loops] = nnx.split(clone)[0]
+        return self._budget_graphdefs[num_loops]
 
     def publish(self, policy, version: int) -> PublishStats:
         """Install a policy: an nnx.State of the trainer's model (zero-copy hand-off) or an
@@ -218,9 +232,10 @@ class JaxSamplerEngine:
             rows, rep = shd.batch_sharding(self.mesh, 1), shd.replicated(self.mesh)
             place = lambda x: shd.put_global(x, rep if x is stop else rows)  # noqa: E731
             context = jax.set_mesh(self.mesh)
+        loops = sampling.num_loops or self.model.config.num_loops
         with context:
             tokens, logprobs = _generate(
-                self._graphdef,
+                self._graphdef_for(loops),
                 self._state,
                 place(ids),
                 place(mask),
@@ -240,11 +255,11 @@ class JaxSamplerEngine:
                 if tok in stop_set:
                     length, reason = j + 1, "stop"
                     break
-            samples.append(
-                Sample.from_request(
-                    r, row[:length], logprobs[i, :length].tolist(), reason, self._version
-                )
+            sample = Sample.from_request(
+                r, row[:length], logprobs[i, :length].tolist(), reason, self._version
             )
+            sample.extras["loop_budget"] = loops
+            samples.append(sample)
         return samples
 
     def close(self) -> None:

@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxloop.config import loop_budget_at
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.data.rewards import get_reward
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
-from jaxloop.rollout.types import PromptRequest, Sample, SamplingConfig
+from jaxloop.rollout.api import Policy
+from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 
 class PromptTooLongError(DataError):
@@ -45,6 +47,9 @@ class ProducerSettings:
     eval_prompts: int
     requires_groups: bool
     sampling: SamplingConfig
+    # model.loop_budget parsed ((first update, K), ...); () = full depth. The loops of update u
+    # are a function of u alone (config.loop_budget_at), so a resume continues the schedule.
+    loop_budget: tuple[tuple[int, int], ...] = ()
 
 
 def build_tokenizer(spec: str, vocab_size: int):
@@ -59,6 +64,9 @@ def tokens_checksum(samples: list[Sample]) -> int:
 
 
 class RolloutProducer:
+    """The RolloutSource of the embedded engine (and, inside the Ray manager, over an engine
+    group)."""
+
     def __init__(self, settings: ProducerSettings, engine):
         self.settings = settings
         self.engine = engine
@@ -85,8 +93,12 @@ class RolloutProducer:
         self.eval_sampling = dataclasses.replace(self.sampling, greedy=True)
 
     # ---- engine pass-through ----
-    def publish(self, policy, version: int):
-        return self.engine.publish(policy, version)
+    def publish(self, policy: Policy) -> PublishStats:
+        return self.engine.publish(policy.params, policy.version)
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.version
 
     def close(self) -> None:
         self.engine.close()
@@ -185,7 +197,11 @@ class RolloutProducer:
     def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples of one update with rewards attached; non-finite rewards are dropped and
         counted (and, for group algorithms, groups left with fewer than 2 samples)."""
-        samples = self.engine.generate(self.requests(update), self.sampling)
+        sampling = self.sampling
+        loops = loop_budget_at(self.settings.loop_budget, update)
+        if loops is not None:
+            sampling = dataclasses.replace(sampling, num_loops=loops)
+        samples = self.engine.generate(self.requests(update), sampling)
         kept, dropped = [], 0
         for sample in samples:
             sample.response_text = self.response_text(sample)

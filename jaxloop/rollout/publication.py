@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 
 from jaxloop import safetensors_format as st
-from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.api import PublicationError
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 

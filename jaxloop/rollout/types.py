@@ -17,6 +17,7 @@ class SamplingConfig:
     max_new_tokens: int = 8
     stop_token_ids: tuple[int, ...] = ()
     greedy: bool = False
+    num_loops: int = 0  # loop budget K of the model's loops (0: all); engines record it per sample
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, iter_chunks
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
@@ -104,6 +104,11 @@ class VLLMEngine:
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         self._check_serving()
+        if sampling.num_loops:
+            raise ValueError(
+                f"sampling.num_loops={sampling.num_loops}: the vLLM plugin runs every loop "
+                "(loop budgets need the embedded JAX engine)"
+            )
         if not requests:
             return []
         from vllm.inputs import TokensPrompt

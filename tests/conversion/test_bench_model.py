@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import jax
@@ -46,3 +47,12 @@ def test_bad_config_is_one_line_error(capsys):
     assert bench.main(["--config", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no-such-model" in err
+
+
+def test_packing_mode_reports_both_layouts_with_equal_losses(capsys):
+    argv = ["--config", "tiny", "--packing", "--batch", "8", "--seq", "64", "--steps", "1"]
+    assert bench.main([*argv, "--repeats", "1", "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(result["packed_loss"] - result["padded_loss"]) <= 1e-5  # the same tokens
+    assert result["packed_fill"] > result["padded_fill"]
+    assert result["padded_tokens_per_s"] > 0 and result["packed_tokens_per_s"] > 0

@@ -12,6 +12,11 @@ Written from the architecture description (not from the JAX code):
   output gives lambda_t = sigmoid(gate_t), p_t = lambda_t * prod_{j<t}(1 - lambda_j), and the last
   step takes the remaining mass.
 - A plain Llama (`model_type: llama`) is the Nanbeige block run once.
+- Depth replay (`depths`, LAST_EXITED): a position with depth d stops after loop d; in every later
+  loop its state stays the same, and at each layer the keys / values it offers to the others are
+  the ones it computed at that layer in loop d - 1. Its output is its state after loop d, normed
+  with `model.norm` when the family does not norm between loops (the head always reads normed
+  states). A loop budget K runs the first K loops only.
 
 Also: a helper that writes random HF-named weights (norm weights random around 1) as safetensors
 with a config.json from `jaxloop.models.tiny_hf_config`.
@@ -69,8 +74,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return x * torch.cos(angles) + rotate_half(x) * torch.sin(angles)
 
 
-def attention(x, W, prefix, hf, positions, key_mask):
-    """Causal GQA self-attention. x: [B, S, E]; key_mask: [B, S] bool (True = real token)."""
+def attention(x, W, prefix, hf, positions, key_mask, memory=None, active=None):
+    """Causal GQA self-attention. x: [B, S, E]; key_mask: [B, S] bool (True = real token).
+
+    memory (depth replay): a dict holding this layer's keys / values of the previous loop; where
+    `active` [B, S] is False the position's remembered keys / values replace the new ones."""
     b, s, _ = x.shape
     h, kv, d = hf["num_attention_heads"], hf["num_key_value_heads"], _head_dim(hf)
     theta = _rope_theta(hf)
@@ -79,6 +87,12 @@ def attention(x, W, prefix, hf, positions, key_mask):
     v = (x @ W[prefix + "self_attn.v_proj.weight"].T).view(b, s, kv, d).transpose(1, 2)
     q = apply_rope(q, positions, theta)
     k = apply_rope(k, positions, theta)
+    if memory is not None:
+        if memory:  # loop 0 has no memory: every position is active there
+            frozen = ~active[:, None, :, None]  # [B, 1, S, 1] against [B, kv, S, D]
+            k = torch.where(frozen, memory["k"], k)
+            v = torch.where(frozen, memory["v"], v)
+        memory["k"], memory["v"] = k, v
     # query head i reads kv head i // (h // kv)
     k = k.repeat_interleave(h // kv, dim=1)
     v = v.repeat_interleave(h // kv, dim=1)
@@ -98,11 +112,12 @@ def swiglu(x, W, prefix):
     return (torch.nn.functional.silu(gate) * up) @ W[prefix + "mlp.down_proj.weight"].T
 
 
-def block(h, W, i, hf, positions, key_mask):
+def block(h, W, i, hf, positions, key_mask, memory=None, active=None):
     eps = float(hf["rms_norm_eps"])
     p = f"model.layers.{i}."
     sandwich = hf["model_type"] == "ouro"
-    a = attention(rms_norm(h, W[p + "input_layernorm.weight"], eps), W, p, hf, positions, key_mask)
+    x = rms_norm(h, W[p + "input_layernorm.weight"], eps)
+    a = attention(x, W, p, hf, positions, key_mask, memory, active)
     if sandwich:
         a = rms_norm(a, W[p + "input_layernorm_2.weight"], eps)
     h = h + a
@@ -120,6 +135,8 @@ def reference_forward(
     attention_mask=None,
     positions=None,
     dtype: torch.dtype = F64,
+    depths=None,
+    num_loops: int | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """float64 forward on HF-named tensors.
 
@@ -127,6 +144,8 @@ def reference_forward(
     [loops,B,S,V] (actor), loop_hidden [loops,B,S,E] and exit_probs [loops,B,S] (Ouro only).
     Without `positions`, they are derived from the mask: cumsum(mask) - 1, clipped at 0.
     `dtype` other than float64 is only for measuring how well-conditioned a test model is.
+    `depths` [B, S] (1..loops): depth replay (module docstring); loop_hidden[t] is then each
+    position's output after loop min(t + 1, depth). `num_loops`: run only the first K loops.
     """
     W = {k: v.to(dtype) for k, v in tensors.items()}
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -140,16 +159,41 @@ def reference_forward(
     positions = torch.as_tensor(positions, dtype=torch.long)
     eps = float(hf["rms_norm_eps"])
     skip_between = bool(hf.get("skip_loop_final_norm", False))
-    loops = _num_loops(hf)
+    loops = _num_loops(hf) if num_loops is None else num_loops
+    norm_w = W["model.norm.weight"]
 
     h = W["model.embed_tokens.weight"][ids]
     loop_hidden = []
-    for t in range(loops):
-        for i in range(hf["num_hidden_layers"]):
-            h = block(h, W, i, hf, positions, key_mask)
-        if not skip_between or t == loops - 1:
-            h = rms_norm(h, W["model.norm.weight"], eps)
-        loop_hidden.append(h)
+    if depths is None:
+        for t in range(loops):
+            for i in range(hf["num_hidden_layers"]):
+                h = block(h, W, i, hf, positions, key_mask)
+            if not skip_between or t == loops - 1:
+                h = rms_norm(h, norm_w, eps)
+            loop_hidden.append(h)
+    else:
+        depths = torch.as_tensor(np.asarray(depths), dtype=torch.long)
+        memories = [{} for _ in range(hf["num_hidden_layers"])]
+        state = h  # what feeds the next loop (un-normed between loops when skip_between)
+        exit_output = torch.zeros_like(h)  # each position's output once it has exited
+        for t in range(loops):
+            active = depths > t
+            x = state
+            for i in range(hf["num_hidden_layers"]):
+                x = block(x, W, i, hf, positions, key_mask, memories[i], active)
+            if not skip_between:
+                x = rms_norm(x, norm_w, eps)
+            state = torch.where(active[..., None], x, state)
+            exits_now = (depths == t + 1)[..., None]
+            exit_output = torch.where(exits_now, rms_norm(state, norm_w, eps), exit_output)
+            if not skip_between:  # the normed state is the output; no second norm
+                exit_output = torch.where(exits_now, state, exit_output)
+            exited = (depths <= t + 1)[..., None]
+            if t == loops - 1:
+                loop_hidden.append(torch.where(exited, exit_output, rms_norm(state, norm_w, eps)))
+            else:
+                loop_hidden.append(torch.where(exited, exit_output, state))
+        h = loop_hidden[-1]
     loop_hidden = torch.stack(loop_hidden)
 
     out: dict[str, torch.Tensor | None] = {

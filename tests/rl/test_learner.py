@@ -53,6 +53,8 @@ class _Run:
         offload=None,
         tx=None,
         value_loss_scale=1.0,
+        pack_tokens=0,
+        updates=0,
     ):
         algo = get_algorithm(name)
         actor = LoopedLM(CFG, rngs=nnx.Rngs(0))
@@ -60,10 +62,11 @@ class _Run:
         lcfg = LearnerConfig(
             micro,
             0.8,
-            algo.default_updates_per_rollout,
+            updates or algo.default_updates_per_rollout,
             1,
             AdvantageHParams(kl_coef=kl_coef),
             logits_chunk=logits_chunk,
+            pack_tokens=pack_tokens,
         )
         hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta, value_loss_scale=value_loss_scale)
         tx = tx or optax.sgd(0.5)

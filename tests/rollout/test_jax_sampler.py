@@ -11,7 +11,7 @@ from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import iter_hf_tensors
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import token_logprobs
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine, _generate, filter_logprobs
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 
@@ -134,3 +134,32 @@ def test_refuses_before_publish_and_checks_hf_publication():
     req = _requests(1)[0]
     out = eng.generate([req], SamplingConfig(greedy=True, max_new_tokens=1))[0]
     assert out.response_ids[0] == int(jnp.argmax(other(jnp.asarray([list(req.prompt_ids)]))[0, -1]))
+
+
+def test_loop_budget_runs_k_loops(engine):
+    """sampling.num_loops=K samples from the K-loop model (same parameters): log-probs equal the
+    K-loop trainer recompute (<= 3e-6, not the full-depth one), tokens equal an engine built on
+    a K-loop model, and every sample records its K."""
+    cfg, state = engine.model.config, nnx.state(engine.model)
+    budget = SamplingConfig(temperature=T, max_new_tokens=5, num_loops=1)
+    samples = engine.generate(_requests(), budget)
+    assert [s.extras["loop_budget"] for s in samples] == [1] * len(samples)
+    full = engine.generate(_requests(), SamplingConfig(temperature=T, max_new_tokens=5))
+    assert {s.extras["loop_budget"] for s in full} == {cfg.num_loops}
+    one_loop = LoopedLM(cfg.replace(num_loops=1), rngs=nnx.Rngs(0))
+    other = JaxSamplerEngine(one_loop)
+    other.publish(state, version=7)
+    again = other.generate(_requests(), budget)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]
+    assert [s.response_logprobs for s in again] == [s.response_logprobs for s in samples]
+    arrays = RolloutBatch.from_samples(samples, [0.0] * len(samples))
+    tokens, mask = jnp.asarray(arrays.tokens), jnp.asarray(arrays.attention_mask)
+    params = state.to_pure_dict()
+    k_lp, _ = token_logprobs(nnx.graphdef(one_loop), params, tokens, mask, T)
+    full_lp, _ = token_logprobs(nnx.graphdef(engine.model), params, tokens, mask, T)
+    k_diff = np.abs(np.asarray(k_lp) - arrays.behav_logprobs) * arrays.response_mask
+    full_diff = np.abs(np.asarray(full_lp) - arrays.behav_logprobs) * arrays.response_mask
+    assert k_diff.max() <= 3e-6, k_diff.max()
+    assert full_diff.max() > 1e-3
+    with pytest.raises(ValueError, match="outside 1.."):
+        engine.generate(_requests(1), SamplingConfig(num_loops=cfg.num_loops + 1))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxloop.rollout import publication as pub
-from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.api import PublicationError
 from jaxloop.rollout.publication import (
     Manifest,
     PublicationReceiver,
@@ -272,9 +272,9 @@ def test_receiver_recovers_after_refusal():
 
 
 def test_publication_module_imports_no_jax_or_torch():
-    """publication.py and engine.py must stay importable in engine processes (no jax / torch)."""
+    """publication.py and api.py must stay importable in engine processes (no jax / torch)."""
     root = pathlib.Path(pub.__file__).parent
-    for name in ("publication.py", "engine.py", "types.py"):
+    for name in ("publication.py", "api.py", "types.py"):
         tree = ast.parse((root / name).read_text())
         mods = set()
         for node in ast.walk(tree):

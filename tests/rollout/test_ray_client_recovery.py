@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-from jaxloop.rollout import ray_bridge
-from jaxloop.rollout.ray_bridge import ManagerFailedError, RayRolloutClient
+from jaxloop.rollout.api import ManagerFailedError
+from jaxloop.rollout.ray import client as ray_client
+from jaxloop.rollout.ray.client import RayRolloutClient
 
 
 class FakeManager:
@@ -53,8 +54,8 @@ def _get(call, timeout=None):
 
 def _client(monkeypatch, deaths: list[list[str]]):
     """A client whose n-th manager dies on the calls deaths[n] (a manager per replacement)."""
-    monkeypatch.setattr(ray_bridge.ray, "get", _get)
-    monkeypatch.setattr(ray_bridge.ray, "kill", lambda *a, **k: None)
+    monkeypatch.setattr(ray_client.ray, "get", _get)
+    monkeypatch.setattr(ray_client.ray, "kill", lambda *a, **k: None)
     client = object.__new__(RayRolloutClient)
     client.log = []
     client._placement_group = None

@@ -4,7 +4,7 @@ with the same batches as an unkilled run; an engine killed in the middle of a pu
 with the others, on one version (the new one after its restart, or the old one when the restart
 limit is spent), and every sample names the version that generated it.
 
-Its own local Ray cluster and two engine actors (the helpers are test_ray_bridge's).
+Its own local Ray cluster and two engine actors (the helpers are test_ray_rollout's).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from jaxloop.rollout.ray_bridge import EngineFailedError
-from tests.rollout.test_ray_bridge import Bridge, assert_same_samples, strip
+from jaxloop.rollout.api import EngineFailedError
+from tests.rollout.test_ray_rollout import Bridge, assert_same_samples, strip
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_engine_killed_mid_publication_beyond_the_restart_limit_rolls_back(bridg
         ray.get(client.manager.set_debug.remote(1, publish_delay_s=120.0, marker_dir=str(tmp_path)))
         killer = _kill_when(tmp_path / f"publish-{pids[1]}", pids[1])
         with pytest.raises(EngineFailedError, match="engine 1"):
-            client.publish(bridge.policies["A"], bridge.next_version)
+            client.publish(bridge.policy("A", bridge.next_version))
         killer.join()
         assert not killer.failed, killer.failed
     finally:

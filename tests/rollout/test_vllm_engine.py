@@ -22,7 +22,7 @@ from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_io import hf_tensor_shapes
 from jaxloop.models.hf_mapping import get_param, iter_hf_tensors
-from jaxloop.rollout.engine import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, make_chunks
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.api import PublicationError
 from jaxloop.rollout.publication import Manifest, PublicationReceiver
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

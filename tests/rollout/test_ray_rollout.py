@@ -1,5 +1,5 @@
-"""The Ray rollout bridge with JAX engine actors (no vLLM needed): bitwise parity with the
-in-process producer, transactional publication through the bridge, and engine restarts (an
+"""Ray rollouts (jaxloop.rollout.ray) with JAX engine actors (no vLLM needed): bitwise parity with
+the in-process producer, transactional publication through the bridge, and engine restarts (an
 engine killed mid-rollout, or hung past the group's timeout).
 
 Bitwise parity holds when the in-process batch and each engine's part pad to the same batch
@@ -26,12 +26,13 @@ import ray
 from flax import nnx
 
 from jaxloop.config import base_config
-from jaxloop.rollout.engine import PublicationError
+from jaxloop.rollout.api import Policy, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors
-from jaxloop.rollout.ray_bridge import RayRolloutClient, split_evenly
+from jaxloop.rollout.ray.group import split_evenly
 from jaxloop.train import build_actor, producer_settings
+from tests.rollout.ray_debug import DebugRayRolloutClient
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ class Bridge:
             "B": nnx.split(build_actor(_cfg(seed=1)))[1],
         }
         start = time.perf_counter()
-        self.client = RayRolloutClient(cfg, self.actor, self.settings, engine_kind="jax")
+        self.client = DebugRayRolloutClient(cfg, self.actor, self.settings, engine_kind="jax")
         self.client.bucket_bytes = 16 << 10  # several buckets per publication of this tiny model
         TIMINGS["client_start_s"] = time.perf_counter() - start
         TIMINGS.update({k: v for k, v in self.client.timings.items()})
@@ -75,9 +76,12 @@ class Bridge:
         self.serving: str | None = None
         self.refs: dict[str, RolloutProducer] = {}
 
+    def policy(self, which: str, version: int = 0) -> Policy:
+        return Policy(self.policies[which], version, self.actor.config)
+
     def serve(self, which: str):
         """Publish policy `which` as the next version; returns its PublishStats."""
-        stats = self.client.publish(self.policies[which], self.next_version)
+        stats = self.client.publish(self.policy(which, self.next_version))
         self.next_version += 1
         self.serving = which
         return stats
@@ -86,7 +90,7 @@ class Bridge:
         """An in-process producer serving policy `which` (its own data cursor)."""
         if which not in self.refs:
             producer = RolloutProducer(self.settings, JaxSamplerEngine(build_actor(_cfg())))
-            producer.publish(self.policies[which], 0)
+            producer.publish(self.policy(which))
             self.refs[which] = producer
         return self.refs[which]
 
@@ -132,7 +136,7 @@ def strip(stats: dict) -> dict:
 
 def test_driver_imports_neither_torch_nor_vllm():
     code = (
-        "import sys, jaxloop.train, jaxloop.rollout.ray_bridge; "
+        "import sys, jaxloop.train, jaxloop.rollout.ray.client; "
         "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
@@ -204,7 +208,7 @@ def test_publication_through_bridge_and_refusals(bridge):
     # the comparison has power: the two policies sample differently
     assert [s.response_ids for s in on_a] != [s.response_ids for s in on_b]
 
-    tensors = client.hf_tensors(bridge.policies["A"])
+    tensors = client.hf_tensors(bridge.policy("A"))
     version = bridge.next_version
     manifest = Manifest.build(version, tensors)
     chunks = make_chunks(tensors, client.bucket_bytes)
@@ -365,9 +369,7 @@ def test_hung_publication_is_killed_and_restarted(bridge):
 
 def test_publish_bandwidth_is_reported(bridge):
     stats = bridge.serve("B")
-    assert stats.num_bytes == sum(
-        a.nbytes for _, a in bridge.client.hf_tensors(bridge.policies["B"])
-    )
+    assert stats.num_bytes == sum(a.nbytes for _, a in bridge.client.hf_tensors(bridge.policy("B")))
     assert stats.seconds > 0 and stats.gb_per_s == pytest.approx(
         stats.num_bytes / stats.seconds / 1e9
     )
@@ -395,9 +397,12 @@ class VLLMBridge:
         self.policies = {k: nnx.split(m)[1] for k, m in self.models.items()}
         self.settings = producer_settings(cfg, requires_groups=True)
         start = time.perf_counter()
-        self.client = RayRolloutClient(cfg, self.models["A"], self.settings)
+        self.client = DebugRayRolloutClient(cfg, self.models["A"], self.settings)
         TIMINGS["vllm_client_start_s"] = time.perf_counter() - start
         TIMINGS["vllm_engine_start_s"] = self.client.timings["engine_start_s"]
+
+    def policy(self, which: str, version: int = 0) -> Policy:
+        return Policy(self.policies[which], version, self.models[which].config)
 
 
 def _cfg_seed(cfg, seed):
@@ -438,12 +443,12 @@ def _max_logprob_error(model, samples) -> float:
 def test_vllm_engine_behind_bridge(vllm_bridge, tmp_path):
     client = vllm_bridge.client
     assert client.transport == "object_store"
-    stats = client.publish(vllm_bridge.policies["A"], 0)
+    stats = client.publish(vllm_bridge.policy("A", 0))
     TIMINGS["vllm_publish_s"] = stats.seconds
     cursor = client.state()
     on_a, _ = client.produce(0)
     err_a = _max_logprob_error(vllm_bridge.models["A"], on_a)
-    client.publish(vllm_bridge.policies["B"], 1)
+    client.publish(vllm_bridge.policy("B", 1))
     client.restore(cursor)
     on_b, _ = client.produce(0)
     err_b = _max_logprob_error(vllm_bridge.models["B"], on_b)
@@ -455,7 +460,7 @@ def test_vllm_engine_behind_bridge(vllm_bridge, tmp_path):
     assert all(s.policy_version == 1 for s in on_b)
 
     # a refused publication (wrong digest; then a missing tensor) leaves B serving
-    tensors = client.hf_tensors(vllm_bridge.policies["A"])
+    tensors = client.hf_tensors(vllm_bridge.policy("A"))
     manifest = Manifest.build(2, tensors)
     _refused(client, manifest, make_chunks(tensors, 1 << 20), "digest", digest="f" * 64)
     _refused(client, manifest, make_chunks(tensors[:-1], 1 << 20), "received|missing")

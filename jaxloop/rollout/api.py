@@ -1,0 +1,89 @@
+"""What the train loop knows about rollouts: the engine and source protocols, the published
+`Policy`, and every rollout error class (one place to import them from).
+
+numpy-free and jax-free at import time: engine processes (vLLM workers) import the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxloop.models.config import LoopedConfig
+
+
+class PublicationError(RuntimeError):
+    """An engine refused a policy publication (it keeps serving the last committed version)."""
+
+
+class NotPublishedError(RuntimeError):
+    """generate() was called before any policy version was committed."""
+
+
+class EngineFailedError(RuntimeError):
+    """An engine actor kept dying (or could not be started) beyond the restart limit."""
+
+
+class ManagerFailedError(RuntimeError):
+    """The rollout manager actor died again right after it was replaced."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What is published: the actor's parameters (an nnx.State of the trainer's LoopedLM, no
+    copy), the policy version they are, and the model config (its `family` picks the HF name
+    table remote engines receive the tensors under)."""
+
+    params: Any  # nnx.State
+    version: int
+    config: LoopedConfig
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+
+class RolloutEngine(Protocol):
+    """One engine: the embedded sampler, a vLLM engine, or a group of engine actors."""
+
+    def publish(self, tensors: Iterable[tuple[str, np.ndarray]], version: int) -> PublishStats:
+        """Install HF-named tensors as policy `version` (all-or-nothing)."""
+
+    def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
+        """One Sample per request, in request order, tagged with the committed version."""
+
+    @property
+    def version(self) -> int | None:
+        """The last committed policy version (None before the first publication)."""
+
+    def close(self) -> None: ...
+
+
+class RolloutSource(Protocol):
+    """What the Trainer uses: the embedded RolloutProducer, or the RayRolloutClient in front of
+    engine actors."""
+
+    def publish(self, policy: Policy) -> PublishStats:
+        """Serve `policy` from now on (all-or-nothing; PublicationError keeps the old one)."""
+
+    def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
+        """The scored samples of `update` and their stats (the data cursor advances)."""
+
+    def evaluate(self) -> float:
+        """Mean greedy reward on the held-out prompts (NaN when there are none)."""
+
+    def state(self) -> dict:
+        """The data cursor (saved in checkpoints)."""
+
+    def restore(self, state: dict) -> None: ...
+
+    @property
+    def version(self) -> int | None:
+        """The committed policy version (None before the first publication)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,384 @@
+"""The trainer's side of Ray rollouts: RayRolloutClient (see jaxloop.rollout.ray)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+
+from jaxloop.config import engine_log_level
+from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
+from jaxloop.rollout.policy import hf_tensors
+from jaxloop.rollout.publication import Manifest, iter_chunks
+from jaxloop.rollout.ray.actor import EngineSpec, error_text
+from jaxloop.rollout.ray.manager import RolloutManager
+from jaxloop.rollout.types import PublishStats, Sample
+
+logger = logging.getLogger(__name__)
+
+# environment variables handed from the trainer process to the Ray actors
+_ENV_PREFIXES = ("JAX_", "XLA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+
+
+def _actor_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    # the trainer's import path (e.g. custom reward modules) for the manager and engines
+    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class RayRolloutClient:
+    """The rollout side of the trainer for Ray engines (`rollout.engine=vllm`).
+
+    A RolloutSource, like RolloutProducer: publish(policy), produce(update), evaluate(),
+    state(), restore(state), version, close(). `engine_kind` overrides cfg.rollout.engine ('jax'
+    runs the embedded sampler in the engine actors: used by tests, needs no vLLM).
+    """
+
+    manager_actor = RolloutManager  # the manager's actor class (tests: one with debug hooks)
+
+    def __init__(self, cfg, actor_model, settings, *, engine_kind: str | None = None):
+        self.cfg = cfg
+        r = cfg.rollout
+        self.kind = engine_kind or r.engine
+        self.log_level = engine_log_level(cfg)
+        self.transport = r.transport
+        self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
+        self.model_config = actor_model.config
+        self.timings: dict[str, float] = {}
+        self.publish_history: list[PublishStats] = []
+        self.publish_breakdowns: list[dict[str, float]] = []
+        self.last_breakdown: dict[str, float] = {}
+        self._tmp = Path(tempfile.mkdtemp(prefix="jaxloop-rollout-"))
+        self._committed: tuple[int, list] | None = None  # (version, refs or dir) now served
+        # what a replacement manager needs: the committed publication (manifest dict, chunks,
+        # transport) and the data cursor as of the last call that returned (restore / produce)
+        self._publication: tuple[dict, list, str] | None = None
+        self._cursor: dict | None = None
+        self.manager_restarts = 0
+        self._engine_restarts = [0.0, 0.0]  # [of replaced managers, last read from this one]
+        self._started_ray = False
+        self.manager = None
+        self._placement_group: str | None = None
+        try:
+            self._connect(r.ray_address, r.num_engines)
+            spec, bundle = self._engine_spec(cfg, actor_model, settings)
+            self._manager_args = (settings, spec, r.num_engines, bundle)
+            self._manager_kwargs = dict(
+                engine_timeout_s=float(r.engine_timeout_s),
+                publish_timeout_s=float(r.publish_timeout_s),
+            )
+            start = time.perf_counter()
+            info = self._start_manager()
+            self.timings["manager_start_s"] = time.perf_counter() - start
+            self.timings["engine_start_s"] = max(info["engine_start_seconds"])
+            self.expected = ray.get(self.manager.expected_specs.remote())
+            self._cursor = ray.get(self.manager.state.remote())
+            print(
+                f"rollout: {r.num_engines} {self.kind} engine(s) ready in "
+                f"{self.timings['manager_start_s']:.1f}s (engine start "
+                f"{self.timings['engine_start_s']:.1f}s; ray "
+                + (f"init {self.timings['ray_init_s']:.1f}s)" if self._started_ray else "joined)"),
+                file=sys.stderr,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- set-up ----
+    def _start_manager(self) -> dict:
+        """A new RolloutManager (and its engines) from the client's settings; returns its info."""
+        self.manager = self.manager_actor.options(num_cpus=0, runtime_env=self._runtime_env).remote(
+            *self._manager_args, **self._manager_kwargs
+        )
+        info = ray.get(self.manager.info.remote())
+        self._placement_group = info["placement_group"]
+        return info
+
+    def _replace_manager(self, what: str, err: BaseException) -> None:
+        """The manager died during `what`: kill what is left of it (its engines die with it; its
+        placement group outlives it and is removed), start a new one, restore the data cursor of
+        the last call that returned and republish the committed policy."""
+        start = time.perf_counter()
+        try:
+            ray.kill(self.manager, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self._remove_placement_group()
+        self._engine_restarts = [sum(self._engine_restarts), 0.0]
+        self._start_manager()
+        if self._cursor is not None:
+            ray.get(self.manager.restore.remote(self._cursor))
+        if self._publication is not None:
+            ray.get(self.manager.publish.remote(*self._publication))
+        self.manager_restarts += 1
+        logger.warning(
+            "rollout manager died during %s (%s): restarted in %.1fs (restart #%d, serving "
+            "version %s, data cursor restored)",
+            what,
+            error_text(err),
+            time.perf_counter() - start,
+            self.manager_restarts,
+            self.version,
+        )
+
+    def _remove_placement_group(self) -> None:
+        if self._placement_group is None:
+            return
+        from ray.util.placement_group import PlacementGroup
+
+        try:
+            pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(self._placement_group)))
+            remove_placement_group(pg)
+        except Exception as e:  # already removed
+            logger.debug("placement group %s not removed: %r", self._placement_group, e)
+        self._placement_group = None
+
+    def _call(self, what: str, method: str, *args):
+        """ray.get(manager.method(*args)); if the manager actor dies (not: a call that raised),
+        it is replaced (see _replace_manager) and the call made once more. A second death is
+        ManagerFailedError naming `what` (e.g. 'update 7')."""
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):  # the manager is alive: its call raised
+                raise
+            first = e
+        try:
+            self._replace_manager(what, first)
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):
+                raise
+            raise ManagerFailedError(
+                f"{what}: the rollout manager died ({error_text(first)}) and its replacement "
+                f"died too ({error_text(e)}); rerun to resume from the last checkpoint"
+            ) from e
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except RayActorError as e:
+            if isinstance(e, RayTaskError):
+                raise
+            raise ManagerFailedError(
+                f"{what}: the rollout manager died again after a restart ({error_text(e)}); "
+                "rerun to resume from the last checkpoint"
+            ) from e
+
+    def _count_restarts(self, stats: dict[str, float]) -> dict[str, float]:
+        """engine_restarts over every manager of this client, and manager_restarts."""
+        if "engine_restarts" in stats:
+            self._engine_restarts[1] = float(stats["engine_restarts"])
+            stats["engine_restarts"] = sum(self._engine_restarts)
+        stats["manager_restarts"] = float(self.manager_restarts)
+        return stats
+
+    def _connect(self, address: str, num_engines: int) -> None:
+        self._runtime_env = {"env_vars": _actor_env()}
+        if ray.is_initialized():
+            return  # a cluster this process already joined (not ours to shut down)
+        start = time.perf_counter()
+        quiet = logging.getLevelName(self.log_level) > logging.INFO
+        # the engines' lines reach this process (log_to_driver); Ray's own at the engines' level
+        common = dict(include_dashboard=False, log_to_driver=True, logging_level=self.log_level)
+        with warnings.catch_warnings():
+            if quiet:  # Ray starts its processes with fork + exec, not a bare fork
+                warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            if address:
+                ray.init(address=address, **common)
+            else:
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local test cluster
+                # one logical CPU per engine (its bundle) and one spare
+                ray.init(num_cpus=num_engines + 1, **common)
+        self._started_ray = True
+        self.timings["ray_init_s"] = time.perf_counter() - start
+
+    def _engine_spec(self, cfg, actor_model, settings) -> tuple[EngineSpec, dict]:
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        m = self.model_config
+        if self.kind == "jax":
+            spec = EngineSpec(
+                kind="jax",
+                hf_config=m.to_hf_dict(),
+                numerics=dict(
+                    param_dtype=m.param_dtype,
+                    compute_dtype=m.compute_dtype,
+                    attention_impl=m.attention_impl,
+                ),
+                seed=int(cfg.seed),
+                log_level=self.log_level,
+            )
+            return spec, {"CPU": 1.0}
+        from jaxloop.models import save_hf
+
+        start = time.perf_counter()
+        model_dir = save_hf(actor_model, self._tmp / "model", dtype="float32")
+        self.timings["save_initial_model_s"] = time.perf_counter() - start
+        limit = int(m.hf_config.get("max_position_embeddings", 1 << 30))
+        need = settings.max_prompt_tokens + settings.sampling.max_new_tokens
+        llm_kwargs: dict[str, Any] = {}
+        if logging.getLevelName(self.log_level) > logging.INFO:
+            llm_kwargs["use_tqdm_on_load"] = False  # weight-loading progress bars
+        if gpus < 1:  # CPU engines (tests, CI): eager, in-process engine core, small KV cache
+            llm_kwargs["enforce_eager"] = True
+            self._runtime_env["env_vars"].setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            self._runtime_env["env_vars"].setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if logging.getLevelName(self.log_level) > logging.INFO:  # torch's NUMA binding note
+                self._runtime_env["env_vars"].setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        spec = EngineSpec(
+            kind="vllm",
+            model_dir=str(model_dir),
+            dtype=m.compute_dtype,
+            seed=int(cfg.seed),
+            max_model_len=min(limit, _round_up(need, 32)),
+            llm_kwargs=llm_kwargs,
+            log_level=self.log_level,
+        )
+        return spec, ({"CPU": 1.0, "GPU": 1.0} if gpus >= 1 else {"CPU": 1.0})
+
+    # ---- publication ----
+    def hf_tensors(self, policy: Policy) -> list[tuple[str, np.ndarray]]:
+        """The policy as HF-named tensors in the engines' dtypes."""
+        return hf_tensors(policy, {name: dtype for name, (_, dtype) in self.expected.items()})
+
+    def publish(self, policy: Policy) -> PublishStats:
+        """Publish the trainer's actor state as policy `policy.version` on every engine
+        (all-or-nothing; PublicationError on refusal, the engines keep serving the previous
+        version)."""
+        start = time.perf_counter()
+        tensors = self.hf_tensors(policy)
+        t_tensors = time.perf_counter()
+        manifest = Manifest.build(policy.version, tensors)
+        self.last_breakdown = {"hf_tensors_s": t_tensors - start}
+        self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
+        return self.publish_prepared(manifest, iter_chunks(tensors, self.bucket_bytes), start=start)
+
+    def publish_prepared(
+        self,
+        manifest: Manifest,
+        chunks: Iterable[bytes],
+        *,
+        count: int | None = None,
+        digest: str | None = None,
+        start: float | None = None,
+    ) -> PublishStats:
+        """Ship prepared buckets and run the transaction on every engine (count / digest default
+        to the manifest's; tests pass others). Refusal -> PublicationError; the engines keep
+        serving the previous version."""
+        start = time.perf_counter() if start is None else start
+        t_send = time.perf_counter()
+        version = manifest.version
+        if self.transport == "object_store":
+            sent: list = [ray.put(np.frombuffer(c, np.uint8)) for c in chunks]
+            where = None
+        else:
+            where = self._tmp / "publish" / f"v{version}"
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+            sent = []
+            for i, c in enumerate(chunks):
+                path = where / f"chunk-{i:05d}.safetensors"
+                path.write_bytes(c)
+                sent.append(str(path))
+        t_commit = time.perf_counter()
+        args = (manifest.to_dict(), sent, self.transport)
+        try:
+            engine_stats = self._call(f"publication {version}", "publish", *args, count, digest)
+        except PublicationError as e:
+            if where is not None:
+                shutil.rmtree(where, ignore_errors=True)
+            raise PublicationError(error_text(e)) from None
+        self._publication = args  # count / digest: the manifest's (they matched)
+        old, self._committed = self._committed, (version, sent if where is None else where)
+        if old is not None and isinstance(old[1], Path) and old[1] != where:
+            shutil.rmtree(old[1], ignore_errors=True)
+        stats = PublishStats(
+            version=version,
+            num_tensors=manifest.count,
+            num_bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - start,
+        )
+        self.publish_history.append(stats)
+        breakdown = getattr(self, "last_breakdown", {})
+        breakdown.update(
+            send_s=t_commit - t_send,  # bucket serialisation + ray.put / file writes
+            commit_s=time.perf_counter() - t_commit,  # engines: fetch, verify, load (parallel)
+            engine_s=max(s.seconds for s in engine_stats),
+        )
+        self.last_breakdown = {}
+        self.publish_breakdowns.append(breakdown)
+        logger.info(
+            "published version %d: %d tensors, %.1f MB in %.3fs (%.3f GB/s, %s)",
+            version,
+            stats.num_tensors,
+            stats.num_bytes / 1e6,
+            stats.seconds,
+            stats.gb_per_s,
+            self.transport,
+        )
+        return stats
+
+    # ---- the producer surface ----
+    def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
+        """The samples of `update`. A manager that dies meanwhile is replaced from the cursor as
+        it was before this call and the committed policy: the same samples (see _call)."""
+        samples, stats, cursor = self._call(f"update {update}", "produce_step", update)
+        self._cursor = cursor
+        return samples, self._count_restarts(stats)
+
+    def evaluate(self) -> float:
+        return self._call("evaluation", "evaluate")
+
+    def state(self) -> dict:
+        return self._call("reading the data cursor", "state")
+
+    def restore(self, state: dict) -> None:
+        state = copy.deepcopy(state)
+        self._call("restoring the data cursor", "restore", state)
+        self._cursor = state
+
+    def health(self) -> list[dict]:
+        return self._call("a health check", "health")
+
+    def stats(self) -> dict[str, float]:
+        return self._count_restarts(self._call("reading stats", "stats"))
+
+    @property
+    def version(self) -> int | None:
+        return None if self._committed is None else self._committed[0]
+
+    def close(self) -> None:
+        """Stop the engines and the manager, remove temp files, and shut Ray down if this client
+        started (or joined) it."""
+        if self.manager is not None:
+            try:
+                ray.get(self.manager.close.remote(), timeout=120)
+            except Exception as e:
+                logger.warning("rollout manager close failed: %s", error_text(e))
+            try:
+                ray.kill(self.manager, no_restart=True)
+            except Exception:
+                pass
+            self.manager = None
+            self._remove_placement_group()  # a dead manager's (a live one removed its own)
+        self._committed = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
