@@ -94,6 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.ray_address = ""
     c.rollout.publish_bucket_mb = 64
     c.rollout.transport = "object_store"  # or 'disk'
+    c.rollout.publish = "full"  # or 'delta': only the tensors that changed since the last version
     # Ray engines: seconds an engine may take to answer its part of a generate call; one that does
     # not is killed, restarted with the committed policy and its part regenerated (health checks:
     # min(120, this))
@@ -254,6 +255,8 @@ DESCRIPTIONS = {
     "rollout.ray_address": "vllm: join this Ray cluster (HOST:PORT); empty: start a local one",
     "rollout.publish_bucket_mb": "vllm: policy publication bucket size in MB",
     "rollout.transport": "vllm: publication transport object_store | disk",
+    "rollout.publish": "vllm: full | delta (send only the tensors whose bytes changed since the "
+    "engines' committed version; a refused delta is sent in full)",
     "rollout.engine_timeout_s": "vllm: seconds an engine may take for its part of a generate "
     "call; past it, it is restarted and its part regenerated",
     "rollout.publish_timeout_s": "vllm: seconds an engine may take for its part of a policy "
@@ -596,6 +599,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.rollout.max_staleness < 0:
         raise UsageError(f"rollout.max_staleness must be >= 0 (got {cfg.rollout.max_staleness})")
+    if cfg.rollout.publish not in ("full", "delta"):
+        raise UsageError(f"rollout.publish={cfg.rollout.publish!r}; expected 'full' or 'delta'")
+    if cfg.rollout.publish == "delta" and cfg.rollout.engine == "jax":
+        raise UsageError(
+            "rollout.publish=delta needs remote engines (rollout.engine=vllm): the embedded "
+            "sampler takes the trainer's arrays without a copy, nothing is sent"
+        )
     for key in ("num_engines", "publish_bucket_mb"):
         if cfg.rollout[key] < 1:
             raise UsageError(f"rollout.{key} must be >= 1 (got {cfg.rollout[key]})")

@@ -567,6 +567,9 @@ class Trainer:
         publish = self.publish()
         metrics["time_publish"] = time.perf_counter() - t2
         metrics["publish_gb_per_s"] = float(publish.gb_per_s)
+        metrics["publish_bytes"] = float(publish.sent_bytes)  # shipped to the engines
+        metrics["publish_full_bytes"] = float(publish.num_bytes)  # the whole version
+        metrics["publish_fallback"] = float(publish.fell_back)  # a refused delta, sent in full
         metrics["tokens_per_s"] = float(
             batch.response_mask.sum() / max(time.perf_counter() - t0, 1e-9)
         )
@@ -694,6 +697,7 @@ RESUME_FREE_KEYS = frozenset(
         "rollout.ray_address",
         "rollout.publish_bucket_mb",
         "rollout.transport",
+        "rollout.publish",
         "rollout.engine_timeout_s",
         "rollout.publish_timeout_s",
         "rollout.engine_log_level",

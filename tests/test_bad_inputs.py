@@ -238,6 +238,18 @@ CATALOGUE = [
         dry=True,
     ),
     Row(
+        "unknown publication mode",
+        _args("--config.rollout.publish=sparse"),
+        "rollout.publish='sparse'; expected 'full' or 'delta'",
+        dry=True,
+    ),
+    Row(
+        "delta publication to the embedded engine",
+        _args("--config.rollout.publish=delta"),
+        "rollout.publish=delta needs remote engines",
+        dry=True,
+    ),
+    Row(
         "mesh larger than the devices",
         _args("--config.mesh.fsdp=16"),
         "= 16 devices, but 8 are available",

@@ -166,7 +166,9 @@ class JaxSamplerEngine:
             state, count = self._state_from_hf(policy)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         self._state, self._version = state, version
-        self.last_publish = PublishStats(version, count, nbytes, time.perf_counter() - start)
+        sent = 0 if isinstance(policy, nnx.State) else nbytes  # the trainer's arrays: no copy
+        seconds = time.perf_counter() - start
+        self.last_publish = PublishStats(version, count, nbytes, seconds, sent_bytes=sent)
         return self.last_publish
 
     def _state_from_hf(self, tensors: Iterable[tuple[str, np.ndarray]]):

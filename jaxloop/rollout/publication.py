@@ -8,6 +8,12 @@ one (names, shapes, dtypes), the count matches and the digest of what arrived ma
 the publisher computed. Anything else raises `PublicationError` and nothing is handed out, so the
 engine keeps serving its previous version.
 
+Delta publication: a manifest with `base_version` set still describes (and digests) the whole
+new version, but its buckets carry only the tensors named in `sent`; a receiver that retained
+the tensors of exactly `base_version` (a publication with `retain`) takes the others from them,
+and `finish` verifies the digest of the reconstructed whole. A receiver on another version, or
+one that kept no tensors, refuses the delta at `begin`.
+
 numpy + ml_dtypes only: importable by the JAX trainer and by engine processes (no jax, no torch).
 The safetensors byte format comes from jaxloop.safetensors_format (bfloat16 included).
 """
@@ -18,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
@@ -48,58 +55,113 @@ def _tensor_sha256(arr: np.ndarray) -> bytes:
     return hashlib.sha256(memoryview(data.reshape(-1).view(np.uint8))).digest()
 
 
-def tensor_digest(tensors: Iterable[tuple[str, np.ndarray]]) -> str:
-    """sha256 over (name, dtype, shape, sha256 of the raw bytes) of every tensor, in name-sorted
-    order (a two-level hash: the per-tensor hashes run in parallel threads, since hashlib
-    releases the GIL, which matters for multi-GB policies).
-
-    The result does not depend on the order tensors are given in; it changes with any name, dtype,
-    shape or byte. Duplicate names are an error.
-    """
+def _unique(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
     items: dict[str, np.ndarray] = {}
     for name, value in tensors:
         if name in items:
             raise PublicationError(f"tensor {name} appears twice")
         items[name] = _as_array(name, value)
-    names = sorted(items)
+    return items
+
+
+def tensor_hashes(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, bytes]:
+    """name -> sha256 of the tensor's raw bytes (parallel threads: hashlib releases the GIL,
+    which matters for multi-GB policies). What a delta publisher compares between versions."""
+    items = _unique(tensors)
+    names = list(items)
     workers = min(8, os.cpu_count() or 1, max(1, len(names)))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        hashes = list(pool.map(lambda n: _tensor_sha256(items[n]), names))
+        return dict(zip(names, pool.map(lambda n: _tensor_sha256(items[n]), names), strict=True))
+
+
+def combine_digest(specs: Mapping[str, Spec], hashes: Mapping[str, bytes]) -> str:
+    """The digest of tensor_digest from the tensors' specs and per-tensor hashes."""
     h = hashlib.sha256()
-    for name, tensor_hash in zip(names, hashes, strict=True):
-        arr = items[name]
-        header = json.dumps([name, dtype_name(arr.dtype), list(arr.shape)], separators=(",", ":"))
+    for name in sorted(specs):
+        shape, dtype = specs[name]
+        header = json.dumps([name, dtype, list(shape)], separators=(",", ":"))
         h.update(struct.pack("<Q", len(header)))
         h.update(header.encode())
-        h.update(tensor_hash)
+        h.update(hashes[name])
     return h.hexdigest()
+
+
+def _specs(items: Mapping[str, np.ndarray]) -> dict[str, Spec]:
+    return {n: (tuple(int(d) for d in a.shape), dtype_name(a.dtype)) for n, a in items.items()}
+
+
+def tensor_digest(tensors: Iterable[tuple[str, np.ndarray]]) -> str:
+    """sha256 over (name, dtype, shape, sha256 of the raw bytes) of every tensor, in name-sorted
+    order (a two-level hash, see tensor_hashes).
+
+    The result does not depend on the order tensors are given in; it changes with any name, dtype,
+    shape or byte. Duplicate names are an error.
+    """
+    items = _unique(tensors)
+    return combine_digest(_specs(items), tensor_hashes(items.items()))
 
 
 # ---- manifest ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """What one publication promises to deliver."""
+    """What one publication promises to deliver: the whole version (every tensor's spec, the
+    count, the digest, the bytes), and for a delta (`base_version` set) the names its buckets
+    carry (`sent`; the rest are the base version's). `retain`: the receiver keeps this version's
+    tensors as the base of later deltas."""
 
     version: int
     tensors: dict[str, Spec]  # name -> (shape, dtype name)
     count: int
     digest: str
     total_bytes: int
+    base_version: int | None = None
+    sent: tuple[str, ...] | None = None  # None: every tensor
+    retain: bool = False
 
     @classmethod
-    def build(cls, version: int, tensors: Iterable[tuple[str, np.ndarray]]) -> Manifest:
-        items = [(name, _as_array(name, value)) for name, value in tensors]
-        specs: dict[str, Spec] = {}
-        for name, arr in items:
-            if name in specs:
-                raise PublicationError(f"tensor {name} appears twice")
-            specs[name] = (tuple(int(d) for d in arr.shape), dtype_name(arr.dtype))
+    def build(
+        cls,
+        version: int,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        *,
+        hashes: Mapping[str, bytes] | None = None,
+        base_version: int | None = None,
+        sent: Iterable[str] | None = None,
+        retain: bool = False,
+    ) -> Manifest:
+        """The manifest of `tensors` (all of the version); `hashes`: their tensor_hashes when
+        already computed; `base_version` and `sent`: a delta over that version carrying those
+        tensors."""
+        items = _unique(tensors)
+        if (base_version is None) != (sent is None):
+            raise ValueError("a delta manifest needs both base_version and sent")
+        if sent is not None:
+            sent = tuple(sent)
+            unknown = sorted(set(sent) - set(items))
+            if unknown:
+                raise PublicationError(f"delta sends tensor {unknown[0]}, not in the version")
+        specs = _specs(items)
         return cls(
             version=int(version),
             tensors=specs,
             count=len(items),
-            digest=tensor_digest(items),
-            total_bytes=int(sum(arr.nbytes for _, arr in items)),
+            digest=combine_digest(specs, hashes or tensor_hashes(items.items())),
+            total_bytes=int(sum(arr.nbytes for arr in items.values())),
+            base_version=None if base_version is None else int(base_version),
+            sent=sent,
+            retain=bool(retain),
+        )
+
+    @property
+    def sent_bytes(self) -> int:
+        """Tensor bytes the buckets carry (total_bytes for a full publication)."""
+        if self.sent is None:
+            return self.total_bytes
+        return int(
+            sum(
+                math.prod(self.tensors[n][0]) * np.dtype(self.tensors[n][1]).itemsize
+                for n in self.sent
+            )
         )
 
     def to_dict(self) -> dict:
@@ -110,6 +172,9 @@ class Manifest:
             "count": self.count,
             "digest": self.digest,
             "total_bytes": self.total_bytes,
+            "base_version": self.base_version,
+            "sent": None if self.sent is None else list(self.sent),
+            "retain": self.retain,
         }
 
     @classmethod
@@ -120,6 +185,9 @@ class Manifest:
             count=int(d["count"]),
             digest=str(d["digest"]),
             total_bytes=int(d["total_bytes"]),
+            base_version=None if d.get("base_version") is None else int(d["base_version"]),
+            sent=None if d.get("sent") is None else tuple(str(n) for n in d["sent"]),
+            retain=bool(d.get("retain", False)),
         )
 
 
@@ -171,7 +239,9 @@ class PublicationReceiver:
 
     expected: name -> (shape, dtype) that this engine can load; a publication must deliver exactly
     that set. `committed_version` is the last version `finish` handed out; versions must increase.
-    Any refusal aborts the open transaction (a new `begin` is needed).
+    Any refusal aborts the open transaction (a new `begin` is needed) and leaves the committed
+    version (and its retained tensors) as they were. After a publication with `retain`, a copy of
+    its tensors is kept (one model in host memory) as the base of a delta.
     """
 
     def __init__(self, expected: Mapping[str, tuple]):
@@ -179,6 +249,7 @@ class PublicationReceiver:
             n: (tuple(int(d) for d in s), dtype_name(t)) for n, (s, t) in expected.items()
         }
         self.committed_version: int | None = None
+        self.retained: dict[str, np.ndarray] | None = None  # tensors of committed_version
         self._manifest: Manifest | None = None
         self._received: dict[str, np.ndarray] = {}
 
@@ -229,6 +300,17 @@ class PublicationReceiver:
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             self._refuse(f"manifest: missing tensor {missing[0]}{more}")
+        if manifest.base_version is not None:
+            base = manifest.base_version
+            if base != self.committed_version or self.retained is None:
+                have = "no retained tensors" if self.retained is None else "retained"
+                self._refuse(
+                    f"delta over version {base}, but this engine's committed version is "
+                    f"{self.committed_version} ({have})"
+                )
+            unknown = sorted(set(manifest.sent) - set(manifest.tensors))
+            if unknown:
+                self._refuse(f"manifest: delta sends tensor {unknown[0]}, not in the version")
         self._manifest = manifest
 
     def add_chunk(self, version: int, data: bytes) -> int:
@@ -238,9 +320,12 @@ class PublicationReceiver:
             items = deserialize_tensors(data)
         except PublicationError as e:
             self._refuse(str(e))
+        sent = self._manifest.sent
         for name, arr in items:
             if name not in self._manifest.tensors:
                 self._refuse(f"chunk: tensor {name} is not in the manifest")
+            if sent is not None and name not in sent:
+                self._refuse(f"chunk: tensor {name} is not in this delta's tensors")
             self._check_spec(name, arr.shape, dtype_name(arr.dtype), "chunk")
             if name in self._received:
                 self._refuse(f"chunk: tensor {name} received twice")
@@ -253,19 +338,34 @@ class PublicationReceiver:
         manifest = self._manifest
         if count != manifest.count:
             self._refuse(f"finish: count {count} != manifest count {manifest.count}")
-        if len(self._received) != count:
-            self._refuse(f"finish: received {len(self._received)} tensors, expected {count}")
-        missing = sorted(set(self.expected) - set(self._received))
+        sent = len(manifest.tensors) if manifest.sent is None else len(manifest.sent)
+        if len(self._received) != sent:
+            self._refuse(f"finish: received {len(self._received)} tensors, expected {sent}")
+        tensors = self._received
+        if manifest.sent is not None:  # the delta's base: the retained tensors of base_version
+            tensors = {**self.retained, **self._received}
+        missing = sorted(set(self.expected) - set(tensors))
         if missing:
             self._refuse(f"finish: missing tensor {missing[0]}")
         if digest != manifest.digest:
             self._refuse("finish: digest differs from the manifest's")
-        actual = tensor_digest(self._received.items())
+        actual = tensor_digest(tensors.items())
         if actual != digest:
+            what = "reconstructed" if manifest.sent is not None else "received"
             self._refuse(
-                f"finish: digest mismatch (received {actual[:16]}..., sent {digest[:16]}...)"
+                f"finish: digest mismatch ({what} {actual[:16]}..., sent {digest[:16]}...)"
             )
-        tensors = self._received
         self.abort()
         self.committed_version = version
+        if manifest.retain:  # copies of what arrived (views of bucket buffers), read-only
+            arrived = manifest.tensors if manifest.sent is None else set(manifest.sent)
+            self.retained = {n: _owned(a) if n in arrived else a for n, a in tensors.items()}
+        else:
+            self.retained = None
         return tensors
+
+
+def _owned(arr: np.ndarray) -> np.ndarray:
+    out = np.array(arr)
+    out.setflags(write=False)
+    return out

@@ -71,10 +71,20 @@ class Sample:
 
 @dataclasses.dataclass(frozen=True)
 class PublishStats:
+    """num_bytes: the whole version's tensor bytes; sent_bytes: what was shipped to the engines
+    (None: num_bytes; a delta publication ships fewer, a zero-copy one none); fell_back: a delta
+    was refused and the version was then published in full (sent_bytes counts both)."""
+
     version: int
     num_tensors: int
     num_bytes: int
     seconds: float
+    sent_bytes: int | None = None
+    fell_back: bool = False
+
+    def __post_init__(self):
+        if self.sent_bytes is None:
+            object.__setattr__(self, "sent_bytes", self.num_bytes)
 
     @property
     def gb_per_s(self) -> float:

@@ -283,3 +283,79 @@ def test_publication_module_imports_no_jax_or_torch():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 mods.add(node.module.split(".")[0])
         assert not mods & {"jax", "flax", "torch", "vllm"}, (name, mods)
+
+
+# ---- delta publication ---------------------------------------------------------------------------
+def _changed(tensors, names, seed):
+    """`tensors` with the tensors `names` replaced by new values (the others the same arrays)."""
+    rng = np.random.default_rng(seed)
+    return [(n, rng.normal(size=a.shape).astype(a.dtype) if n in names else a) for n, a in tensors]
+
+
+def _delta(rx, version, base_version, tensors, sent, **kw):
+    """A delta transaction over `base_version` carrying the tensors `sent` of the new `tensors`."""
+    manifest = Manifest.build(version, tensors, base_version=base_version, sent=sent, retain=True)
+    return _transaction(
+        rx, version, [(n, a) for n, a in tensors if n in sent], manifest=manifest, **kw
+    )
+
+
+def test_delta_reconstructs_every_version_bit_exactly():
+    """Over several versions where only some tensors change, each delta carries only those and
+    `finish` hands out the whole new version, equal byte for byte to the publisher's tensors
+    (an independent comparison of the bytes, besides the receiver's own digest check)."""
+    v0 = _tensors(dtype=BF16)
+    rx = PublicationReceiver(_expected(v0))
+    full = Manifest.build(0, v0, retain=True)
+    assert full.sent_bytes == full.total_bytes
+    _transaction(rx, 0, v0, manifest=full)
+    versions = [v0]
+    for version, names in [(1, {"lm_head.weight"}), (2, {"model.norm.weight"}), (3, set())]:
+        new = _changed(versions[-1], names, seed=version)
+        manifest = Manifest.build(version, new, base_version=version - 1, sent=sorted(names))
+        assert manifest.sent_bytes == sum(a.nbytes for n, a in new if n in names)
+        got = _delta(rx, version, version - 1, new, sorted(names))
+        assert rx.committed_version == version
+        assert sorted(got) == sorted(n for n, _ in new)
+        for name, arr in new:
+            assert got[name].dtype == arr.dtype and got[name].tobytes() == arr.tobytes(), name
+        versions.append(new)
+    # the changed tensors did change: the comparison above has power
+    assert versions[1][3][1].tobytes() != v0[3][1].tobytes()
+
+
+def test_refused_delta_keeps_the_committed_version_and_base():
+    v0 = _tensors()
+    rx = PublicationReceiver(_expected(v0))
+    _transaction(rx, 0, v0, manifest=Manifest.build(0, v0, retain=True))
+    v1 = _changed(v0, {"lm_head.weight", "model.norm.weight"}, seed=1)
+    # a delta over a version the receiver does not hold
+    with pytest.raises(
+        PublicationError, match="delta over version 5, but .* committed version is 0"
+    ):
+        _delta(rx, 1, 5, v1, ["lm_head.weight", "model.norm.weight"])
+    # a delta that leaves out a changed tensor: the reconstruction's digest differs
+    with pytest.raises(PublicationError, match="digest mismatch \\(reconstructed"):
+        manifest = Manifest.build(1, v1, base_version=0, sent=["lm_head.weight"], retain=True)
+        _transaction(rx, 1, [t for t in v1 if t[0] == "lm_head.weight"], manifest=manifest)
+    # a bucket with a tensor the delta does not name
+    with pytest.raises(PublicationError, match="not in this delta"):
+        manifest = Manifest.build(1, v1, base_version=0, sent=["lm_head.weight"], retain=True)
+        _transaction(rx, 1, v1[3:4] + v1[2:3], manifest=manifest)
+    assert rx.committed_version == 0 and rx.in_progress is None
+    assert all(rx.retained[n].tobytes() == a.tobytes() for n, a in v0)
+    # a full publication without retain leaves no base: the next delta is refused
+    got = _delta(rx, 1, 0, v1, ["lm_head.weight", "model.norm.weight"])
+    assert all(got[n].tobytes() == a.tobytes() for n, a in v1)
+    _transaction(rx, 2, v0)
+    assert rx.retained is None
+    with pytest.raises(PublicationError, match="no retained tensors"):
+        _delta(rx, 3, 2, v1, ["lm_head.weight"])
+
+
+def test_delta_manifest_round_trips():
+    t = _tensors()
+    m = Manifest.build(4, t, base_version=3, sent=["model.norm.weight"], retain=True)
+    assert Manifest.from_dict(m.to_dict()) == m
+    assert m.digest == Manifest.build(4, t).digest  # the digest is the whole version's
+    assert m.sent_bytes == 8 * 4 < m.total_bytes

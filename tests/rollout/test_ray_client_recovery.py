@@ -59,8 +59,8 @@ def _client(monkeypatch, deaths: list[list[str]]):
     client = object.__new__(RayRolloutClient)
     client.log = []
     client._placement_group = None
-    client._publication = ({"version": 3}, ["chunk"], "object_store")
-    client._committed = (3, ["chunk"])
+    client._chain = [({"version": 3}, ["chunk"], "object_store")]
+    client._version = 3
     client._cursor = {"pos": 0}
     client.manager_restarts = 0
     client._engine_restarts = [0.0, 0.0]

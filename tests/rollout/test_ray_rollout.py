@@ -29,7 +29,7 @@ from jaxloop.config import base_config
 from jaxloop.rollout.api import Policy, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
-from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors
+from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors, tensor_hashes
 from jaxloop.rollout.ray.group import split_evenly
 from jaxloop.train import build_actor, producer_settings
 from tests.rollout.ray_debug import DebugRayRolloutClient
@@ -376,6 +376,73 @@ def test_publish_bandwidth_is_reported(bridge):
     assert bridge.client.publish_history[-1] == stats
     TIMINGS["publish_gb_per_s"] = stats.gb_per_s
     assert dataclasses.asdict(stats)["version"] == bridge.next_version - 1
+
+
+def _altered(bridge, which: str, scale: dict[str, float]):
+    """Policy `which` with the parameters named in `scale` multiplied (the others untouched)."""
+    model = build_actor(_cfg())
+    nnx.update(model, bridge.policies[which])  # its values (immutable arrays), not its Variables
+    for path, factor in scale.items():
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        obj[...] = obj[...] * factor
+    return nnx.split(model)[1]
+
+
+def test_delta_publication(bridge, tmp_path):
+    """rollout.publish=delta through the engines: each version ships only the changed tensors,
+    the engines serve it bit-exactly (the same samples as an in-process engine given the whole
+    policy), an engine restarted after deltas replays them; a delta built on a wrong base is
+    refused and published in full; a refused delta leaves the old version serving."""
+    client = bridge.client
+    client.publish_mode = "delta"
+    try:
+        first = bridge.serve("A")  # no retained base yet: in full
+        assert first.sent_bytes == first.num_bytes and not first.fell_back
+        bridge.policies["C"] = _altered(bridge, "A", {"lm_head": 1.5})
+        bridge.policies["D"] = _altered(bridge, "C", {"final_norm": 0.5, "blocks.o_proj": 2.0})
+        cursor = client.state()
+        seen = {}
+        for which in ("C", "D"):
+            stats = bridge.serve(which)
+            assert 0 < stats.sent_bytes < stats.num_bytes and not stats.fell_back
+            TIMINGS[f"delta_{which}_sent_fraction"] = stats.sent_bytes / stats.num_bytes
+            client.restore(cursor)
+            seen[which], _ = client.produce(6)
+            assert_same_samples(seen[which], bridge.reference_produce(which, cursor, 6)[0])
+        assert [s.response_ids for s in seen["C"]] != [s.response_ids for s in seen["D"]]
+        served = bridge.next_version - 1
+
+        # an engine killed after the deltas comes back on the same version (full + deltas)
+        pid = client.health()[1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        health = client.health()
+        assert health[1]["restarted"] and [h["version"] for h in health] == [served, served]
+        client.restore(cursor)
+        assert_same_samples(client.produce(6)[0], seen["D"])
+
+        # a refused delta (over a version the engines do not serve): D keeps serving
+        tensors = client.hf_tensors(bridge.policy("A"))
+        names = [n for n, _ in tensors]
+        bad = Manifest.build(served + 1, tensors, base_version=served - 1, sent=names[:1])
+        _refused(client, bad, make_chunks(tensors[:1], 1 << 20), "delta over version")
+        assert client.version == served and _versions(client) == [served, served]
+        client.restore(cursor)
+        assert_same_samples(client.produce(6)[0], seen["D"])
+
+        # the publisher's record of the base is wrong (lm_head "unchanged" since A): the engines'
+        # reconstruction fails its digest, and the version is published in full
+        client._hashes["lm_head.weight"] = tensor_hashes(tensors)["lm_head.weight"]
+        fallbacks = client.publish_fallbacks
+        stats = bridge.serve("A")
+        assert stats.fell_back and client.publish_fallbacks == fallbacks + 1
+        assert stats.num_bytes < stats.sent_bytes < 2 * stats.num_bytes
+        assert _versions(client) == [served + 1, served + 1]
+        client.restore(cursor)
+        assert_same_samples(client.produce(6)[0], bridge.reference_produce("A", cursor, 6)[0])
+    finally:
+        client.publish_mode = "full"
 
 
 # ---- a vLLM engine actor behind the same bridge ----------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from ray.util.placement_group import remove_placement_group
 from jaxloop.config import engine_log_level
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
-from jaxloop.rollout.publication import Manifest, iter_chunks
+from jaxloop.rollout.publication import Manifest, iter_chunks, tensor_hashes
 from jaxloop.rollout.ray.actor import EngineSpec, error_text
 from jaxloop.rollout.ray.manager import RolloutManager
 from jaxloop.rollout.types import PublishStats, Sample
@@ -61,6 +62,7 @@ class RayRolloutClient:
         self.kind = engine_kind or r.engine
         self.log_level = engine_log_level(cfg)
         self.transport = r.transport
+        self.publish_mode = r.publish  # 'full' or 'delta'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
         self.model_config = actor_model.config
         self.timings: dict[str, float] = {}
@@ -68,11 +70,17 @@ class RayRolloutClient:
         self.publish_breakdowns: list[dict[str, float]] = []
         self.last_breakdown: dict[str, float] = {}
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxloop-rollout-"))
-        self._committed: tuple[int, list] | None = None  # (version, refs or dir) now served
-        # what a replacement manager needs: the committed publication (manifest dict, chunks,
-        # transport) and the data cursor as of the last call that returned (restore / produce)
-        self._publication: tuple[dict, list, str] | None = None
+        self._version: int | None = None  # committed on every engine
+        # what a replacement manager needs: the publications (manifest dict, chunks, transport)
+        # that make up the committed version (the last full one and the deltas since; their
+        # buckets stay alive, `_dirs` for the disk transport) and the data cursor as of the last
+        # call that returned (restore / produce)
+        self._chain: list[tuple[dict, list, str]] = []
+        self._dirs: list[Path] = []
         self._cursor: dict | None = None
+        # delta publication: sha256 of every tensor of the committed version
+        self._hashes: dict[str, bytes] | None = None
+        self.publish_fallbacks = 0
         self.manager_restarts = 0
         self._engine_restarts = [0.0, 0.0]  # [of replaced managers, last read from this one]
         self._started_ray = False
@@ -127,8 +135,8 @@ class RayRolloutClient:
         self._start_manager()
         if self._cursor is not None:
             ray.get(self.manager.restore.remote(self._cursor))
-        if self._publication is not None:
-            ray.get(self.manager.publish.remote(*self._publication))
+        for publication in self._chain:
+            ray.get(self.manager.publish.remote(*publication))
         self.manager_restarts += 1
         logger.warning(
             "rollout manager died during %s (%s): restarted in %.1fs (restart #%d, serving "
@@ -264,10 +272,47 @@ class RayRolloutClient:
         start = time.perf_counter()
         tensors = self.hf_tensors(policy)
         t_tensors = time.perf_counter()
-        manifest = Manifest.build(policy.version, tensors)
+        hashes = tensor_hashes(tensors)
+        delta_mode = self.publish_mode == "delta"
+        full = Manifest.build(policy.version, tensors, hashes=hashes, retain=delta_mode)
+        delta = self._delta(full, hashes) if delta_mode else None
         self.last_breakdown = {"hf_tensors_s": t_tensors - start}
         self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
-        return self.publish_prepared(manifest, iter_chunks(tensors, self.bucket_bytes), start=start)
+        if delta is None:
+            chunks = iter_chunks(tensors, self.bucket_bytes)
+            return self.publish_prepared(full, chunks, start=start, hashes=hashes)
+        changed = set(delta.sent)
+        chunks = iter_chunks([(n, a) for n, a in tensors if n in changed], self.bucket_bytes)
+        try:
+            return self.publish_prepared(delta, chunks, start=start, hashes=hashes)
+        except PublicationError as e:  # the engines still serve the committed version
+            self.publish_fallbacks += 1
+            logger.warning(
+                "delta publication of version %d refused (%s): publishing it in full",
+                policy.version,
+                e,
+            )
+        chunks = iter_chunks(tensors, self.bucket_bytes)
+        stats = self.publish_prepared(full, chunks, start=start, hashes=hashes)
+        stats = dataclasses.replace(
+            stats, sent_bytes=stats.sent_bytes + delta.sent_bytes, fell_back=True
+        )
+        self.publish_history[-1] = stats
+        return stats
+
+    def _delta(self, full: Manifest, hashes: dict[str, bytes]) -> Manifest | None:
+        """The delta of `full` over the committed version: the tensors whose bytes changed. None
+        (publish in full) before the first retained publication, when every tensor changed, or
+        when the deltas since the last full publication would carry more bytes than one full
+        publication (they stay alive for engine restarts: at most twice a model)."""
+        if self._hashes is None or self._version is None:
+            return None
+        changed = tuple(n for n in full.tensors if hashes[n] != self._hashes.get(n))
+        if len(changed) == full.count:
+            return None
+        delta = dataclasses.replace(full, base_version=self._version, sent=changed)
+        chained = sum(Manifest.from_dict(m).sent_bytes for m, _, _ in self._chain[1:])
+        return None if chained + delta.sent_bytes > full.total_bytes else delta
 
     def publish_prepared(
         self,
@@ -277,10 +322,12 @@ class RayRolloutClient:
         count: int | None = None,
         digest: str | None = None,
         start: float | None = None,
+        hashes: dict[str, bytes] | None = None,
     ) -> PublishStats:
         """Ship prepared buckets and run the transaction on every engine (count / digest default
         to the manifest's; tests pass others). Refusal -> PublicationError; the engines keep
-        serving the previous version."""
+        serving the previous version. `hashes`: the version's tensor_hashes, kept as the base of
+        the next delta when the manifest asks the engines to retain it."""
         start = time.perf_counter() if start is None else start
         t_send = time.perf_counter()
         version = manifest.version
@@ -304,15 +351,23 @@ class RayRolloutClient:
             if where is not None:
                 shutil.rmtree(where, ignore_errors=True)
             raise PublicationError(error_text(e)) from None
-        self._publication = args  # count / digest: the manifest's (they matched)
-        old, self._committed = self._committed, (version, sent if where is None else where)
-        if old is not None and isinstance(old[1], Path) and old[1] != where:
-            shutil.rmtree(old[1], ignore_errors=True)
+        # count / digest: the manifest's (they matched)
+        if manifest.base_version is None:  # a full publication starts a new chain
+            old_dirs, self._chain, self._dirs = self._dirs, [args], []
+            for old in old_dirs:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            self._chain.append(args)
+        if where is not None:
+            self._dirs.append(where)
+        self._version = version
+        self._hashes = dict(hashes) if manifest.retain and hashes is not None else None
         stats = PublishStats(
             version=version,
             num_tensors=manifest.count,
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - start,
+            sent_bytes=manifest.sent_bytes,
         )
         self.publish_history.append(stats)
         breakdown = getattr(self, "last_breakdown", {})
@@ -324,10 +379,11 @@ class RayRolloutClient:
         self.last_breakdown = {}
         self.publish_breakdowns.append(breakdown)
         logger.info(
-            "published version %d: %d tensors, %.1f MB in %.3fs (%.3f GB/s, %s)",
+            "published version %d: %d tensors, %.1f MB (%.1f MB sent) in %.3fs (%.3f GB/s, %s)",
             version,
             stats.num_tensors,
             stats.num_bytes / 1e6,
+            stats.sent_bytes / 1e6,
             stats.seconds,
             stats.gb_per_s,
             self.transport,
@@ -361,7 +417,7 @@ class RayRolloutClient:
 
     @property
     def version(self) -> int | None:
-        return None if self._committed is None else self._committed[0]
+        return self._version
 
     def close(self) -> None:
         """Stop the engines and the manager, remove temp files, and shut Ray down if this client
@@ -377,7 +433,7 @@ class RayRolloutClient:
                 pass
             self.manager = None
             self._remove_placement_group()  # a dead manager's (a live one removed its own)
-        self._committed = None
+        self._version, self._chain, self._dirs, self._hashes = None, [], [], None
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()

@@ -69,7 +69,9 @@ class EngineGroup:
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
         self.start_seconds: list[float] = []
-        self._committed: tuple | None = None  # (manifest dict, chunks, transport) now served
+        # the publications (manifest dict, chunks, transport) a new engine replays to serve the
+        # committed version: the last full one and the deltas since
+        self._chain: list[tuple] = []
         self._version: int | None = None
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
         try:
@@ -117,10 +119,9 @@ class EngineGroup:
         except Exception:  # already gone
             pass
         self.handles[index] = handle = self._spawn(index)
-        if self._committed is not None:
-            ray.get(handle.publish.remote(*self._committed), timeout=self.ready_timeout_s)
-        else:
-            ray.get(handle.info.remote(), timeout=self.ready_timeout_s)
+        ray.get(handle.info.remote(), timeout=self.ready_timeout_s)
+        for publication in self._chain:
+            ray.get(handle.publish.remote(*publication), timeout=self.ready_timeout_s)
         self.restarts += int(count)
         logger.warning(
             "engine %d %s: restarted in %.1fs (restart #%d, serving version %s)",
@@ -270,7 +271,10 @@ class EngineGroup:
             if isinstance(err, PublicationError):
                 raise PublicationError(f"engine {i} refused: {error_text(err)}")
             raise err
-        self._committed = args[:3]  # count / digest: the manifest's (they matched)
+        if manifest.get("base_version") is None:  # count / digest: the manifest's (they matched)
+            self._chain = [args[:3]]
+        else:
+            self._chain.append(args[:3])
         self._version = int(manifest["version"])
         return [results[i] for i in range(len(self.handles))]
 
