@@ -88,6 +88,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 1  # built-in task answers are one character
+    # early-exit rollouts (Ouro exit gate): each generated token stops at a loop chosen from the
+    # gate's exit distribution; 'none': every token runs every loop
+    c.rollout.early_exit = "none"  # or 'threshold' | 'sample'
+    c.rollout.exit_threshold = 0.5  # threshold: exit where the cumulative exit probability >= it
     # engine vs trainer selected log-prob bound; 0 = the default (default_logprob_diff)
     c.rollout.max_logprob_diff = 0.0
     c.rollout.num_engines = 1
@@ -145,6 +149,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.whiten_advantages = True
     c.algo.grpo_use_std = True
     c.algo.reduction = "seq_mean_token_mean"
+    c.algo.depth_as_action = False  # rollout.early_exit=sample: the exit choice joins the ratio
 
     # Device mesh for training and the embedded sampler: ('data', 'fsdp', 'tensor'); -1 takes the
     # remaining devices (at most one axis). Default: every device on fsdp.
@@ -249,6 +254,10 @@ DESCRIPTIONS = {
     "rollout.top_p": "nucleus sampling threshold (1: off)",
     "rollout.top_k": "top-k sampling (-1: off)",
     "rollout.max_new_tokens": "response length limit in tokens",
+    "rollout.early_exit": "jax, Ouro (exit gate): none | threshold (a token exits at the first "
+    "loop whose cumulative exit probability reaches exit_threshold) | sample (at a loop drawn "
+    "from the gate's distribution); the prompt runs every loop, the trainer replays the depths",
+    "rollout.exit_threshold": "early_exit=threshold: cumulative exit probability in (0, 1]",
     "rollout.max_logprob_diff": "stop (exit 3) when engine and trainer log-probs differ by more; "
     "0: 1e-3 (jax, fp32) or 0.03 (vllm or bf16)",
     "rollout.num_engines": "vllm: engine actors (one placement-group bundle each)",
@@ -295,6 +304,8 @@ DESCRIPTIONS = {
     "algo.whiten_advantages": "whiten GAE advantages over the batch",
     "algo.grpo_use_std": "grpo: divide advantages by the group std (false: Dr.GRPO)",
     "algo.reduction": "loss reduction: seq_mean_token_mean | token_mean",
+    "algo.depth_as_action": "rollout.early_exit=sample: add the exit choice's log-probability "
+    "(the gate's log p at the exit loop) to the token's in every ratio, training the gate",
     "mesh.data": "data-parallel axis size (-1: the remaining devices)",
     "mesh.fsdp": "fully-sharded data-parallel axis size (-1: the remaining devices)",
     "mesh.tensor": "tensor-parallel axis size (-1: the remaining devices)",
@@ -632,6 +643,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if schedule and not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset):
         check_loop_budget(schedule, cfg.model.num_loops)
+    check_early_exit(cfg)
     if cfg.rollout.engine_log_level.upper() not in LOG_LEVELS:
         raise UsageError(
             f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "
@@ -640,6 +652,44 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+EARLY_EXIT_MODES = ("none", "threshold", "sample")
+
+
+def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
+    """rollout.early_exit, rollout.exit_threshold and algo.depth_as_action. The exit gate is
+    checked on the built-in family here and on `model_config` (an HF / preset model) once known."""
+    mode, threshold = cfg.rollout.early_exit, cfg.rollout.exit_threshold
+    if mode not in EARLY_EXIT_MODES:
+        raise UsageError(
+            f"rollout.early_exit={mode!r}; expected one of {'/'.join(EARLY_EXIT_MODES)}"
+        )
+    if not 0 < threshold <= 1:
+        raise UsageError(f"rollout.exit_threshold={threshold:g} must be in (0, 1]")
+    if cfg.algo.depth_as_action and mode != "sample":
+        raise UsageError(
+            f"algo.depth_as_action needs rollout.early_exit=sample (got {mode!r}): only a sampled "
+            "exit is an action with a probability"
+        )
+    if mode == "none":
+        return
+    if cfg.rollout.engine != "jax":
+        raise UsageError(
+            f"rollout.early_exit={mode} needs rollout.engine=jax: the vLLM plugin returns no "
+            "per-token depths"
+        )
+    if cfg.learner.pack_tokens > 0:
+        raise UsageError(
+            f"rollout.early_exit={mode} with learner.pack_tokens > 0 is not supported: the packed "
+            "rows carry no per-token depths"
+        )
+    builtin = not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset)
+    gate = model_config.early_exit_gate if model_config is not None else None
+    if gate is None and builtin:
+        gate = cfg.model.family == "ouro"
+    if gate is False:
+        raise UsageError(
+            f"rollout.early_exit={mode} needs a model with an exit gate (Ouro); this model has none"
+        )
 
 
 def parse_loop_budget(spec: str) -> tuple[tuple[int, int], ...]:
@@ -734,6 +784,7 @@ def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config
                 f"{name}={value} is not divisible by mesh data x fsdp = {data_parallel}"
             )
     check_loop_budget(parse_loop_budget(cfg.model.loop_budget), model_config.num_loops)
+    check_early_exit(cfg, model_config)
     if cfg.rollout.engine != "jax" and cfg.dist.num_processes > 1:
         raise UsageError(
             "rollout.engine=vllm with dist.num_processes > 1 is not supported: remote engines "

@@ -328,6 +328,8 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            early_exit=cfg.rollout.early_exit,
+            exit_threshold=cfg.rollout.exit_threshold,
         ),
         loop_budget=parse_loop_budget(cfg.model.loop_budget),
     )
@@ -527,7 +529,14 @@ class Trainer:
             raise RuntimeError(f"update {update}: samples ran {sampled} loops, the trainer {loops}")
         metrics["loop_budget"] = float(loops)
         learner = self.training.learner_for(loops)
-        batch = RolloutBatch.from_samples(samples).pad_to(shd.data_parallel_size(self.mesh))
+        early_exit = cfg.rollout.early_exit != "none"
+        if early_exit:  # the trainer replays each token's depth
+            metrics.update(depth_metrics(samples, loops))
+        batch = RolloutBatch.from_samples(
+            samples,
+            num_loops=loops if early_exit else 0,
+            depth_as_action=cfg.algo.depth_as_action,
+        ).pad_to(shd.data_parallel_size(self.mesh))
         if cfg.learner.pack_tokens > 0:  # one sample length: the packed learner's shapes are fixed
             batch = batch.with_length(cfg.learner.pack_tokens + 1)
         device_batch = learner.place_batch(batch.arrays())
@@ -582,6 +591,21 @@ class Trainer:
             metrics["final_eval_reward"] = self.producer.evaluate()
         self.metrics.write(update, metrics)
         bar.step(metrics)
+
+
+def depth_metrics(samples, loops: int) -> dict[str, float]:
+    """Early-exit rollouts: the mean loops a response token ran, the fraction that exited at each
+    loop t (depth_hist_<t>, t = 1..loops) and the compute saved against running every loop."""
+    depths = np.concatenate(
+        [np.asarray(s.extras["response_depths"], np.int64) for s in samples] or [np.zeros(0)]
+    )
+    if depths.size == 0:
+        return {}
+    mean = float(depths.mean())
+    metrics = {"depth_mean": mean, "saved_compute": 1.0 - mean / loops}
+    for t in range(1, loops + 1):
+        metrics[f"depth_hist_{t}"] = float(np.mean(depths == t))
+    return metrics
 
 
 def _stored_vocab_size(cfg) -> int:

@@ -73,6 +73,9 @@ class ModelOutput(NamedTuple):
     loop_logits: jax.Array | None  # [loops, B, S, V] when requested
     exit_probs: jax.Array | None  # [loops, B, S] Ouro exit distribution when requested
     cache: KVCache | None
+    # [loops, B, S, E] with return_loops: entry t is the LM-head input of a model that stops after
+    # loop t (the state after the norm that ends loop t; normed also without a norm between loops)
+    loop_hidden: jax.Array | None = None
 
 
 class LoopedLM(nnx.Module):
@@ -192,6 +195,9 @@ def looped_forward(
     return_loops with depths: entry t is a position's output after loop min(t + 1, depths) (entry
     t of an exited position is its exit output; un-exited positions of a family without a norm
     between loops keep today's un-normed entries), and exit_probs are computed from those.
+    return_loops also gives loop_hidden: entry t is what the LM head reads in a model that stops
+    after loop t (the entries above, normed where a family without a norm between loops left them
+    un-normed), so loop t's logits are project(loop_hidden[t]) in every family.
     depths=None adds no work: the replay is a Python-level branch.
 
     segment_ids (int32 [B, S], 0 = padding; packed rows, no cache): a position attends only to
@@ -242,7 +248,9 @@ def looped_forward(
         mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
         use_cudnn = False
 
-    def layer(h, w, kv_slot, last_kv, active):
+    def layer(h, w, kv_cache, last_kv, active):
+        """kv_cache: None, or (k_all, v_all, loop_index, layer_index) with the whole cache; the
+        new positions' keys / values are written into slot [loop, layer] in place."""
         w = {name: x.astype(cdt) for name, x in w.items()}
         x = L.rms_norm(h, w["input_norm"], eps)
         q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
@@ -258,18 +266,14 @@ def looped_forward(
             k = jnp.where(keep, k, last_kv[0])
             v = jnp.where(keep, v, last_kv[1])
             new_last = (k, v)
-        if kv_slot is not None:
-            k_cache, v_cache = kv_slot
-            k = jax.lax.dynamic_update_slice(
-                k_cache, k.astype(k_cache.dtype), (0, cache.index, 0, 0)
-            )
-            v = jax.lax.dynamic_update_slice(
-                v_cache, v.astype(v_cache.dtype), (0, cache.index, 0, 0)
-            )
-            new_slot = (k, v)
+        if kv_cache is not None:
+            k_all, v_all, loop_index, layer_index = kv_cache
+            k_all, k = _write_and_read_slot(k_all, k, loop_index, layer_index, cache.index)
+            v_all, v = _write_and_read_slot(v_all, v, loop_index, layer_index, cache.index)
+            new_cache_kv = (k_all, v_all)
             k, v = k.astype(cdt), v.astype(cdt)
         else:
-            new_slot = None
+            new_cache_kv = None
         if use_cudnn:
             attn = L.cudnn_causal_attention(q, k, v)
         else:
@@ -282,21 +286,30 @@ def looped_forward(
         m = L.swiglu(x, w["gate_proj"], w["up_proj"], w["down_proj"])
         if cfg.sandwich_norm:
             m = L.rms_norm(m, w["mlp_out_norm"], eps)
-        return constrain(h + m, HIDDEN_AXES), (new_slot, new_last)
+        return constrain(h + m, HIDDEN_AXES), new_cache_kv, new_last
 
-    layer = _remat(layer, cfg.remat)
+    if cache is None:
+        # remat matters for training only; the cached (decode) path is never differentiated
+        layer = _remat(layer, cfg.remat)
 
-    def run_layers(h, loop_cache, last_kv, active):
-        def body(h, xs):
-            w, kv_slot, layer_last_kv = xs
-            return layer(h, w, kv_slot, layer_last_kv, active)
+    def run_layers(h, kv_all, loop_index, last_kv, active):
+        """kv_all: None or the whole (k, v) cache, carried (not scanned over: a scanned slice
+        would be copied in and its updated version stacked into a new buffer every step)."""
 
-        return jax.lax.scan(body, h, (weights, loop_cache, last_kv))
+        def body(carry, xs):
+            h, kv_all, layer_index = carry
+            w, layer_last_kv = xs
+            kv_cache = None if kv_all is None else (*kv_all, loop_index, layer_index)
+            h, kv_all, new_last = layer(h, w, kv_cache, layer_last_kv, active)
+            return (h, kv_all, layer_index + 1), new_last
 
-    def run_loop(carry, xs):
-        h, loop_index, last_kv = carry
+        (h, kv_all, _), last_kv = jax.lax.scan(body, (h, kv_all, jnp.int32(0)), (weights, last_kv))
+        return h, kv_all, last_kv
+
+    def run_loop(carry, _):
+        h, loop_index, kv_all, last_kv = carry
         active = None if depths is None else depths > loop_index
-        h_out, (new_loop_cache, last_kv) = run_layers(h, xs, last_kv, active)
+        h_out, kv_all, last_kv = run_layers(h, kv_all, loop_index, last_kv, active)
         is_last = loop_index == loops - 1
         if depths is None:
             if cfg.norm_between_loops:
@@ -315,33 +328,27 @@ def looped_forward(
                 exited = (depths <= loop_index + 1)[..., None]
                 out = jnp.where(is_last | exited, normed, h)
                 h = jnp.where(is_last, normed, h)
-        ys = (new_loop_cache, out if return_loops else None)
-        return (h, loop_index + 1, last_kv), ys
+        return (h, loop_index + 1, kv_all, last_kv), (out if return_loops else None)
 
     # the lookup gathers whole rows: the table's hidden width is gathered first (as FSDP does for
     # every weight), its vocab rows may stay split over 'tensor'
     table = constrain(model.embed[...].astype(cdt), ("vocab", "act_embed"))
     h0 = constrain(table[input_ids], HIDDEN_AXES)
-    if cache is None:
-        loop_xs = None
-    elif loops == cfg.num_loops:
-        loop_xs = (cache.k, cache.v)
-    else:
-        loop_xs = (cache.k[:loops], cache.v[:loops])
+    kv_all0 = None if cache is None else (cache.k, cache.v)
     last_kv0 = None
     if depths is not None:
         # every position is active in loop 0, so these zeros are never read
         kv_shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
         last_kv0 = (jnp.zeros(kv_shape, cdt), jnp.zeros(kv_shape, cdt))
-    (h, _, _), (new_kv, loop_hidden) = jax.lax.scan(
-        run_loop, (h0, jnp.int32(0), last_kv0), loop_xs, length=loops
+    # a K-loop budget writes slots 0..K-1 of the carried cache and leaves the deeper ones as
+    # they are
+    (h, _, new_kv, _), loop_hidden = jax.lax.scan(
+        run_loop, (h0, jnp.int32(0), kv_all0, last_kv0), None, length=loops
     )
 
     new_cache = None
     if cache is not None:
         new_k, new_v = new_kv
-        if loops < cfg.num_loops:
-            new_k, new_v = cache.k.at[:loops].set(new_k), cache.v.at[:loops].set(new_v)
         new_cache = KVCache(k=new_k, v=new_v, valid=valid, index=cache.index + s)
 
     hidden = h if logits_slice is None else h[:, logits_slice]
@@ -358,7 +365,32 @@ def looped_forward(
         values = values + model.value_bias[...].astype(jnp.float32)
     if return_loops and cfg.early_exit_gate:
         exit_probs = exit_distribution(model, loop_hidden)
-    return ModelOutput(logits, values, hidden, loop_logits, exit_probs, new_cache)
+    head_inputs = None
+    if return_loops:
+        head_inputs = loop_hidden
+        if not cfg.norm_between_loops:  # un-normed entries: loops before the last, not exited
+            unnormed = (jnp.arange(loops) < loops - 1)[:, None, None]
+            if depths is not None:
+                unnormed = unnormed & (depths[None] > jnp.arange(1, loops + 1)[:, None, None])
+            normed = L.rms_norm(loop_hidden, final_norm, eps)
+            head_inputs = jnp.where(unnormed[..., None], normed, loop_hidden)
+        if logits_slice is not None:
+            head_inputs = head_inputs[:, :, logits_slice]
+    return ModelOutput(
+        logits, values, hidden, loop_logits, exit_probs, new_cache, loop_hidden=head_inputs
+    )
+
+
+def _write_and_read_slot(full, new, loop_index, layer_index, index):
+    """Write `new` [B, S, kv_heads, head_dim] at token slot `index` of cache slot
+    [loop_index, layer_index] of `full` [loops, layers, B, T, kv_heads, head_dim], in place, and
+    return (updated full, that slot [B, T, kv_heads, head_dim] after the write)."""
+    start = (loop_index, layer_index, 0, index, 0, 0)
+    full = jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], start)
+    slot = jax.lax.dynamic_slice(
+        full, (loop_index, layer_index, 0, 0, 0, 0), (1, 1, *full.shape[2:])
+    )
+    return full, slot[0, 0]
 
 
 def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:

@@ -3,6 +3,11 @@
 T = S - 1 target positions: the token at j + 1 is predicted at j. Rows are samples; `pad_to`
 appends empty rows (no tokens, `sample_mask` 0) so the sample axis divides the data-parallel
 mesh axes; empty rows add nothing to any loss, gradient or metric.
+
+Early-exit rollouts add `depths` (each input position's loop count, the prompt and padding at
+full depth) and, when the exit choice is an action, `exit_mask` (the targets whose position's
+exit was drawn by the gate: response tokens predicted by a response token); both are None
+otherwise, so a full-depth batch is what it always was.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ BATCH_FIELDS = (
     "group_ids",
     "sample_mask",
 )
+OPTIONAL_FIELDS = ("depths", "exit_mask")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -38,6 +44,11 @@ class RolloutBatch:
     scores: np.ndarray  # [N] float32 sequence rewards
     group_ids: np.ndarray  # [N] int32
     sample_mask: np.ndarray  # [N] float32: 1 for a real sample, 0 for padding rows
+    depths: np.ndarray | None = None  # [N, T] int32: loops run at input position t
+    exit_mask: np.ndarray | None = None  # [N, T] float32: targets whose exit was an action
+
+    def _fields(self) -> tuple[str, ...]:
+        return BATCH_FIELDS + tuple(f for f in OPTIONAL_FIELDS if getattr(self, f) is not None)
 
     @property
     def num_rows(self) -> int:
@@ -57,7 +68,14 @@ class RolloutBatch:
         scores: Sequence[float],
         group_ids: Sequence[int],
         seq_multiple: int = 16,
+        response_depths: Sequence[Sequence[int]] | None = None,
+        num_loops: int = 0,
+        exit_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> RolloutBatch:
+        """response_depths (with num_loops, the full depth of the prompt): each response token's
+        loop count. exit_logprobs: the gate's log p of each response token's exit, an action
+        together with the next token: added to that token's behaviour log-prob (the first
+        response token is predicted by the prompt, which exits at no sampled loop)."""
         n = len(prompts)
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         seq = round_up(max(lengths) + 1, seq_multiple)
@@ -71,6 +89,17 @@ class RolloutBatch:
             attn[i, : np_ + nr] = True
             resp[i, np_ - 1 : np_ - 1 + nr] = 1.0
             behav[i, np_ - 1 : np_ - 1 + nr] = lp
+        depths = exit_mask = None
+        if response_depths is not None:
+            depths = np.full((n, seq - 1), num_loops, np.int32)
+            for i, (p, d) in enumerate(zip(prompts, response_depths, strict=True)):
+                depths[i, len(p) : len(p) + len(d)] = d
+        if exit_logprobs is not None:
+            exit_mask = np.zeros((n, seq - 1), np.float32)
+            for i, (p, r, e) in enumerate(zip(prompts, responses, exit_logprobs, strict=True)):
+                np_, nr = len(p), len(r)
+                exit_mask[i, np_ : np_ + nr - 1] = 1.0
+                behav[i, np_ : np_ + nr - 1] += np.asarray(e[: nr - 1], np.float32)
         return cls(
             tokens=tokens,
             attention_mask=attn,
@@ -79,12 +108,28 @@ class RolloutBatch:
             scores=np.asarray(scores, np.float32),
             group_ids=np.asarray(group_ids, np.int32),
             sample_mask=np.ones((n,), np.float32),
+            depths=depths,
+            exit_mask=exit_mask,
         )
 
     @classmethod
-    def from_samples(cls, samples, scores=None, seq_multiple: int = 16) -> RolloutBatch:
+    def from_samples(
+        cls,
+        samples,
+        scores=None,
+        seq_multiple: int = 16,
+        num_loops: int = 0,
+        depth_as_action: bool = False,
+    ) -> RolloutBatch:
         """From anything with prompt_ids, response_ids, response_logprobs, group_id and (unless
-        `scores` is given) reward."""
+        `scores` is given) reward. num_loops > 0 (early-exit rollouts): the depths of
+        extras['response_depths']; depth_as_action: the exit log-probs
+        extras['response_exit_logprobs'] join the behaviour log-probs."""
+        depths = exit_lps = None
+        if num_loops > 0:
+            depths = [s.extras["response_depths"] for s in samples]
+        if depth_as_action:
+            exit_lps = [s.extras["response_exit_logprobs"] for s in samples]
         return cls.from_sequences(
             [s.prompt_ids for s in samples],
             [s.response_ids for s in samples],
@@ -92,6 +137,9 @@ class RolloutBatch:
             [s.reward for s in samples] if scores is None else scores,
             [s.group_id for s in samples],
             seq_multiple,
+            response_depths=depths,
+            num_loops=num_loops,
+            exit_logprobs=exit_lps,
         )
 
     def pad_to(self, multiple: int) -> RolloutBatch:
@@ -102,9 +150,11 @@ class RolloutBatch:
         if extra == 0:
             return self
         fields = {}
-        for name in BATCH_FIELDS:
+        for name in self._fields():
             x = getattr(self, name)
-            fields[name] = np.concatenate([x, np.zeros((extra,) + x.shape[1:], x.dtype)])
+            # padding rows run at full depth (any depth would do: nothing reads them)
+            fill = x.max(initial=1) if name == "depths" else 0
+            fields[name] = np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)])
         first = int(self.group_ids.max(initial=0)) + 1
         fields["group_ids"][n:] = np.arange(first, first + extra, dtype=np.int32)
         return RolloutBatch(**fields)
@@ -116,13 +166,15 @@ class RolloutBatch:
             longest = int(self.attention_mask.sum(axis=1).max())
             raise ValueError(f"a sample of {longest} tokens does not fit {seq} tokens")
         fields = {}
-        for name in BATCH_FIELDS:
+        for name in self._fields():
             x = getattr(self, name)
             if x.ndim == 2:
                 width = seq if name in ("tokens", "attention_mask") else seq - 1
-                x = np.pad(x[:, :width], ((0, 0), (0, max(width - x.shape[1], 0))))
+                fill = x.max(initial=1) if name == "depths" else 0
+                pad = ((0, 0), (0, max(width - x.shape[1], 0)))
+                x = np.pad(x[:, :width], pad, constant_values=fill)
             fields[name] = x
         return RolloutBatch(**fields)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in BATCH_FIELDS}
+        return {name: getattr(self, name) for name in self._fields()}

@@ -91,7 +91,15 @@ def token_logprobs(graphdef, params, tokens, attention_mask, temperature):
 
 
 def actor_token_stats(
-    graphdef, params, tokens, attention_mask, temperature, chunk: int = 0, old_params=None
+    graphdef,
+    params,
+    tokens,
+    attention_mask,
+    temperature,
+    chunk: int = 0,
+    old_params=None,
+    depths=None,
+    exit_mask=None,
 ):
     """Per target position of `tokens`: the selected token's log-prob under log_softmax(logits /
     T), the entropy of that distribution and, with `old_params`, Flow-DPPO's exact full-vocabulary
@@ -99,9 +107,15 @@ def actor_token_stats(
 
     chunk > 0: the LM head is applied to `chunk` positions at a time under remat, so only one
     chunk's [B, chunk, V] logits exist at once, in the forward and in the backward pass (the
-    gradient recomputes them); chunk = 0 (or >= T): the whole sequence at once."""
+    gradient recomputes them); chunk = 0 (or >= T): the whole sequence at once.
+
+    depths [B, T] (early-exit rollouts): each input position runs that many loops (depth replay);
+    exit_mask [B, T]: where it is 1 the gate's log p of the position's exit depth is added to the
+    selected log-prob (the exit choice is part of the action, algo.depth_as_action)."""
     inputs = (tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], None, None)
-    return input_token_stats(graphdef, params, inputs, temperature, chunk, old_params)
+    return input_token_stats(
+        graphdef, params, inputs, temperature, chunk, old_params, depths, exit_mask
+    )
 
 
 def packed_token_stats(graphdef, params, rows: dict, temperature, chunk: int = 0, old_params=None):
@@ -123,19 +137,36 @@ def unpack_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return flat[index]
 
 
-def input_token_stats(graphdef, params, inputs: tuple, temperature, chunk=0, old_params=None):
+def input_token_stats(
+    graphdef,
+    params,
+    inputs: tuple,
+    temperature,
+    chunk=0,
+    old_params=None,
+    depths=None,
+    exit_mask=None,
+):
     """`actor_token_stats` of model inputs (input ids, targets, attention mask, positions or None,
     segment ids or None), all [B, T]."""
     input_ids, targets, attention_mask, positions, segment_ids = inputs
     model = nnx.merge(graphdef, params)
-    out = model.forward(input_ids, positions, attention_mask, head=False, segment_ids=segment_ids)
+    out = model.forward(
+        input_ids,
+        positions,
+        attention_mask,
+        head=False,
+        segment_ids=segment_ids,
+        depths=depths,
+        return_loops=exit_mask is not None,  # head=False: only the exit distribution
+    )
     cdt = jnp.dtype(model.config.compute_dtype)
     lm_head = model.lm_head[...].astype(cdt)
     old_hidden = old_head = None
     if old_params is not None:
         old = nnx.merge(graphdef, old_params)
         hidden = old.forward(
-            input_ids, positions, attention_mask, head=False, segment_ids=segment_ids
+            input_ids, positions, attention_mask, head=False, segment_ids=segment_ids, depths=depths
         )
         old_hidden = jax.lax.stop_gradient(hidden.hidden)
         old_head = jax.lax.stop_gradient(old.lm_head[...].astype(cdt))
@@ -167,12 +198,22 @@ def input_token_stats(graphdef, params, inputs: tuple, temperature, chunk=0, old
         one = jax.checkpoint(lambda xs: stats(*xs))
         chunks = jax.lax.map(one, (split(out.hidden), split(targets), split(old_hidden)))
         selected, entropy, kl = (merge(x) for x in chunks)
+    if exit_mask is not None:
+        selected = selected + exit_mask * exit_logprobs(out.exit_probs, depths, exit_mask)
     return selected, entropy, kl, out.hidden
 
 
-def token_values(graphdef, params, tokens, attention_mask):
+def exit_logprobs(exit_probs: jax.Array, depths: jax.Array, mask: jax.Array) -> jax.Array:
+    """log p_d [B, T] of the exit distribution exit_probs [L, B, T] at each position's depth d
+    (0 where mask is 0, without a log of 0 there)."""
+    p = jnp.take_along_axis(exit_probs, (depths - 1)[None], axis=0)[0]
+    return jnp.where(mask > 0, jnp.log(jnp.where(mask > 0, p, 1.0)), 0.0)
+
+
+def token_values(graphdef, params, tokens, attention_mask, depths=None):
     model = nnx.merge(graphdef, params)
-    return model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1]).values
+    out = model.forward(tokens[:, :-1], attention_mask=attention_mask[:, :-1], depths=depths)
+    return out.values
 
 
 def packed_token_values(graphdef, params, rows: dict):
@@ -344,6 +385,8 @@ class Learner:
         """Host arrays -> device arrays, sample axis over the data-parallel mesh axes; with
         packing, plus the packed rows of both micro-batch layouts (`pack_plan`)."""
         if self.cfg.pack_tokens > 0:
+            if "depths" in arrays:
+                raise ValueError("packed rows carry no per-token depths (early-exit rollouts)")
             arrays = {**arrays, **self.pack_plan(arrays)}
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
@@ -470,7 +513,10 @@ class Learner:
         with packing the index into the packed rows."""
         if self.cfg.pack_tokens > 0:
             return {"rows_index": batch["pack_index"]}
-        return {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]}
+        inputs = {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]}
+        # early-exit rollouts: the depths to replay (and where the exit choice is an action)
+        inputs.update({k: batch[k] for k in ("depths", "exit_mask") if k in batch})
+        return inputs
 
     def _split_inputs(self, batch: dict, per_sample: dict) -> dict:
         """`_split_micro` of per-sample fields plus, with packing, the micro-batches' rows."""
@@ -501,12 +547,16 @@ class Learner:
             cfg.temperature,
             cfg.logits_chunk,
             old_params,
+            x.get("depths"),
+            x.get("exit_mask"),
         )
 
     def _values(self, params, x: dict):
         if "rows_index" in x:
             return packed_token_values(self.critic_graphdef, params, x)
-        return token_values(self.critic_graphdef, params, x["tokens"], x["attention_mask"])
+        return token_values(
+            self.critic_graphdef, params, x["tokens"], x["attention_mask"], x.get("depths")
+        )
 
     def _actor_logprobs(self, params, x: dict):
         return self._token_stats(params, x)[0]

@@ -30,6 +30,42 @@ from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingC
 
 # [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads
 CACHE_AXES = ("loops", "layers", "batch", "length", "kv_heads", "head_dim")
+# folded into a sample's key for its exit draws, so they never reuse a token draw's key
+EXIT_KEY_SALT = 0xE417
+
+
+def exit_depths(exit_probs: jax.Array, mode: str, threshold: float, keys=None) -> jax.Array:
+    """Exit depths [B] in 1..L from the gate's exit distribution [L, B]: 'threshold' the first
+    loop whose cumulative probability reaches `threshold` (the last loop if none does in float32),
+    'sample' a draw from the distribution with per-row `keys`."""
+    loops = exit_probs.shape[0]
+    if mode == "threshold":
+        below = jnp.cumsum(exit_probs, axis=0) < threshold
+        return jnp.minimum(jnp.sum(below, axis=0) + 1, loops).astype(jnp.int32)
+    if mode == "sample":
+        logits = jnp.log(exit_probs.T)  # a loop of probability 0 is never drawn
+        return (jax.vmap(jax.random.categorical)(keys, logits) + 1).astype(jnp.int32)
+    raise ValueError(f"early_exit={mode!r}")
+
+
+def exit_step(out, cache_index, depths: jax.Array):
+    """One decoded token per row run through every loop (`out`: forward with return_loops) made a
+    token that exits at `depths` [B]: its logits are those of its exit loop, and the cache slots of
+    the loops >= depth get its exit loop's keys / values (LAST_EXITED, as forward(depths=) writes
+    them), so the next tokens see what the trainer's replay shows them. Returns (logits [B, V],
+    cache)."""
+    logits = jnp.take_along_axis(out.loop_logits[:, :, -1], (depths - 1)[None, :, None], axis=0)
+    cache = out.cache
+    at_exit = (depths - 1)[None, None, :, None, None, None]
+    deeper = jnp.arange(cache.k.shape[0])[:, None, None, None, None, None] >= at_exit + 1
+
+    def fill(x):
+        column = jax.lax.dynamic_slice_in_dim(x, cache_index, 1, axis=3)
+        exited = jnp.take_along_axis(column, at_exit, axis=0)
+        column = jnp.where(deeper, exited, column)
+        return jax.lax.dynamic_update_slice_in_dim(x, column, cache_index, axis=3)
+
+    return logits[0], cache.replace(k=fill(cache.k), v=fill(cache.v))
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -72,7 +108,7 @@ def _generate(
     sampling_key: tuple,
     cache_len: int,
 ):
-    temperature, top_p, top_k, greedy = sampling_key
+    temperature, top_p, top_k, greedy, early_exit, exit_threshold = sampling_key
     model = nnx.merge(graphdef, state)
     batch = prompt_ids.shape[0]
     cache = init_cache(model.config, batch, cache_len)
@@ -94,28 +130,51 @@ def _generate(
         token = token.astype(jnp.int32)
         return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
 
+    exit_keys = jax.vmap(lambda k: jax.random.fold_in(k, EXIT_KEY_SALT))(keys)
+    loops = model.config.num_loops
+
+    def decode(token, cache, step):
+        """The next logits [B, V] after `token`, its exit depth [B] and the gate's log p of it."""
+        ones = jnp.ones((batch, 1), jnp.bool_)
+        if early_exit == "none":
+            out = model.forward(token[:, None], attention_mask=ones, cache=cache)
+            full = jnp.full((batch,), loops, jnp.int32)
+            return out.logits[:, -1], out.cache, full, jnp.zeros((batch,), jnp.float32)
+        # every loop runs; the exit is decided on the gate's distribution and applied after
+        # (a token's own loops before its exit do not depend on where it exits)
+        out = model.forward(token[:, None], attention_mask=ones, cache=cache, return_loops=True)
+        probs = out.exit_probs[:, :, -1]  # [L, B]
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(exit_keys)
+        depth = exit_depths(probs, early_exit, exit_threshold, step_keys)
+        exit_lp = jnp.log(jnp.take_along_axis(probs, (depth - 1)[None], axis=0)[0])
+        logits, cache = exit_step(out, cache.index, depth)
+        return logits, cache, depth, exit_lp
+
     def body(carry):
-        step, cache, logits, tokens, logprobs, done = carry
+        step, cache, logits, tokens, logprobs, depths, exit_lps, done = carry
         token, lp = pick(logits, step)
         token = jnp.where(done, 0, token)
         tokens = tokens.at[:, step].set(token)
         logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, lp))
         done = done | jnp.isin(token, stop_ids)
-        out = model.forward(
-            token[:, None], attention_mask=jnp.ones((batch, 1), jnp.bool_), cache=cache
-        )
-        return step + 1, out.cache, out.logits[:, -1], tokens, logprobs, done
+        logits, cache, depth, exit_lp = decode(token, cache, step)
+        depths = depths.at[:, step].set(depth)
+        exit_lps = exit_lps.at[:, step].set(exit_lp)
+        return step + 1, cache, logits, tokens, logprobs, depths, exit_lps, done
 
     tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
     logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
+    depths = jnp.full((batch, max_new_tokens), loops, jnp.int32)
+    exit_lps = jnp.zeros((batch, max_new_tokens), jnp.float32)
     done = jnp.zeros((batch,), jnp.bool_)
-    carry = (jnp.int32(0), out.cache, last_logits, tokens, logprobs, done)
+    carry = (jnp.int32(0), out.cache, last_logits, tokens, logprobs, depths, exit_lps, done)
     # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
-    # already); the last step's forward is wasted work, kept for one uniform compiled body
-    _, _, _, tokens, logprobs, _ = jax.lax.while_loop(
-        lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[5]), body, carry
+    # already); the last step's forward is wasted work, kept for one uniform compiled body (it
+    # also gives the last token its depth)
+    _, _, _, tokens, logprobs, depths, exit_lps, _ = jax.lax.while_loop(
+        lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[-1]), body, carry
     )
-    return tokens, logprobs
+    return tokens, logprobs, depths, exit_lps
 
 
 @dataclasses.dataclass
@@ -227,7 +286,11 @@ class JaxSamplerEngine:
             float(sampling.top_p),
             int(sampling.top_k),
             bool(sampling.greedy),
+            str(sampling.early_exit),
+            float(sampling.exit_threshold),
         )
+        if sampling.early_exit != "none" and not self.model.config.early_exit_gate:
+            raise ValueError(f"early_exit={sampling.early_exit!r} needs a model with an exit gate")
         if self.mesh is None:
             place, context = jnp.asarray, contextlib.nullcontext()
         else:
@@ -236,7 +299,7 @@ class JaxSamplerEngine:
             context = jax.set_mesh(self.mesh)
         loops = sampling.num_loops or self.model.config.num_loops
         with context:
-            tokens, logprobs = _generate(
+            tokens, logprobs, depths, exit_lps = _generate(
                 self._graphdef_for(loops),
                 self._state,
                 place(ids),
@@ -248,6 +311,7 @@ class JaxSamplerEngine:
                 cache_len=prompt_len + sampling.max_new_tokens,
             )
         tokens, logprobs = shd.to_host(tokens), shd.to_host(logprobs)
+        depths, exit_lps = shd.to_host(depths), shd.to_host(exit_lps)
         stop_set = set(sampling.stop_token_ids)
         samples = []
         for i, r in enumerate(requests):
@@ -261,6 +325,9 @@ class JaxSamplerEngine:
                 r, row[:length], logprobs[i, :length].tolist(), reason, self._version
             )
             sample.extras["loop_budget"] = loops
+            # response token j ran depths[j] loops (the logits of token j + 1 are of that loop)
+            sample.extras["response_depths"] = depths[i, :length].tolist()
+            sample.extras["response_exit_logprobs"] = exit_lps[i, :length].tolist()
             samples.append(sample)
         return samples
 

@@ -90,7 +90,8 @@ class RolloutProducer:
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
         )
-        self.eval_sampling = dataclasses.replace(self.sampling, greedy=True)
+        # evaluation runs every loop, as jaxloop.evaluate measures a checkpoint
+        self.eval_sampling = dataclasses.replace(self.sampling, greedy=True, early_exit="none")
 
     # ---- engine pass-through ----
     def publish(self, policy: Policy) -> PublishStats:

@@ -18,6 +18,11 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     greedy: bool = False
     num_loops: int = 0  # loop budget K of the model's loops (0: all); engines record it per sample
+    # early exit (models with an exit gate): 'none' | 'threshold' | 'sample'; engines record each
+    # response token's depth (extras['response_depths']) and the gate's log p of it
+    # (extras['response_exit_logprobs'])
+    early_exit: str = "none"
+    exit_threshold: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,11 +7,16 @@ float64 reference run on the whole (padded) sequence.
 
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
-from jaxloop.models import init_cache, load_hf
+from jaxloop.models import LoopedConfig, LoopedLM, init_cache, load_hf, tiny_hf_config
 from tests.models.helpers import (
     FP32_REL_TOL,
     check_rel,
@@ -174,3 +179,47 @@ def test_loops_keep_independent_caches(run):
         check_rel(
             f"decode {fam} cache v loop {loop}", v[loop, 0][keep], v_ref.numpy()[keep], FP32_REL_TOL
         )
+
+
+def _copies_of_shape(hlo: str, dims: tuple[int, ...]) -> list[str]:
+    """The instructions of compiled HLO text that copy an array of shape `dims` (any layout): a
+    `copy`, or a fusion that wraps one."""
+    shape = re.compile(r"=\s*[a-z0-9]+\[" + ",".join(map(str, dims)) + r"\]\S*\s+([\w-]+)\(")
+    found = []
+    for line in hlo.splitlines():
+        m = shape.search(line)
+        if m and ("copy" in m.group(1) or re.search(r"calls=%\S*copy", line)):
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("num_loops", [None, 1])
+def test_decode_step_updates_the_cache_in_place(num_loops):
+    """One compiled decode step (the sampler's while-loop body) writes the new token's keys /
+    values into the donated cache: no copy of the whole cache, of one loop's slots or of one
+    (loop, layer) slot, and the output cache aliases the input. The loop scan used to take the
+    cache slices as scan inputs and stack new ones as outputs, which copied the whole cache every
+    step (and a loop budget wrote the K new loops back with a full-cache update)."""
+    cfg = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_loops=2))
+    graphdef, state = nnx.split(LoopedLM(cfg, rngs=nnx.Rngs(0)))
+    batch, length = 8, 24
+    cache = init_cache(cfg, batch, length)
+
+    def step(state, token, cache):
+        model = nnx.merge(graphdef, state)
+        ones = jnp.ones_like(token, jnp.bool_)
+        out = model.forward(token, attention_mask=ones, cache=cache, num_loops=num_loops)
+        return out.logits, out.cache
+
+    token = jnp.zeros((batch, 1), jnp.int32)
+    hlo = jax.jit(step, donate_argnums=2).lower(state, token, cache).compile().as_text()
+    full = cache.k.shape  # [loops, layers, B, T, kv_heads, head_dim]
+    for dims in (full, full[1:], full[2:]):
+        assert not _copies_of_shape(hlo, dims), (dims, _copies_of_shape(hlo, dims))
+    header = hlo.splitlines()[0]
+    aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", header)
+    assert aliases is not None, header[:300]
+    # state leaves come first, then the token, then the cache's k and v
+    first_cache_arg = len(jax.tree.leaves(state)) + 1
+    for output, arg in ((1, first_cache_arg), (2, first_cache_arg + 1)):
+        assert f"{{{output}}}: ({arg}, {{}}" in aliases.group(1), aliases.group(1)
