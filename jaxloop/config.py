@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.engine_timeout_s = 600.0
     c.rollout.publish_timeout_s = 600.0  # the same for an engine's part of a publication
     c.rollout.engine_log_level = "WARNING"  # engine actors (vLLM, Ray); verbose=True: INFO
+    # batches generated ahead by up to this many policy versions while the learner trains
+    # (0: synchronous; jaxloop/rollout/pipeline.py)
+    c.rollout.max_staleness = 0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # 'adamw' or 'sgd' (no momentum)
@@ -269,6 +272,8 @@ DESCRIPTIONS = {
     "publication; past it, it is restarted with the committed policy and the publication resent",
     "rollout.engine_log_level": "vllm: log level in the engine actors: DEBUG | INFO | WARNING | "
     "ERROR",
+    "rollout.max_staleness": "generate the batches of the next k updates while the learner trains "
+    "(the batch of update u comes from the policy of update u-k; 0: synchronous)",
     "optim.name": "adamw | sgd (no momentum)",
     "optim.lr": "actor learning rate (peak)",
     "optim.schedule": "constant | cosine | linear (over total_updates x updates_per_rollout)",
@@ -603,6 +608,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(
             f"rollout.transport={cfg.rollout.transport!r}; expected 'object_store' or 'disk'"
         )
+    if cfg.rollout.max_staleness < 0:
+        raise UsageError(f"rollout.max_staleness must be >= 0 (got {cfg.rollout.max_staleness})")
     if cfg.rollout.publish not in ("full", "delta"):
         raise UsageError(f"rollout.publish={cfg.rollout.publish!r}; expected 'full' or 'delta'")
     if cfg.rollout.publish == "delta" and cfg.rollout.engine == "jax":

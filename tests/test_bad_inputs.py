@@ -232,6 +232,12 @@ CATALOGUE = [
         dry=True,
     ),
     Row(
+        "negative rollout staleness",
+        _args("--config.rollout.max_staleness=-1"),
+        "rollout.max_staleness must be >= 0",
+        dry=True,
+    ),
+    Row(
         "unknown publication mode",
         _args("--config.rollout.publish=sparse"),
         "rollout.publish='sparse'; expected 'full' or 'delta'",

@@ -42,7 +42,7 @@ from jaxloop.rl.losses import (
     value_loss,
 )
 from jaxloop.rl.packing import PACK_KEYS, pack_groups
-from jaxloop.rl.state import TrainState
+from jaxloop.rl.state import COUNTERS, TrainState
 
 
 def make_optimizer(
@@ -779,8 +779,7 @@ def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict
 
 
 def _counter_fields(state: TrainState) -> dict:
-    names = ("step", "policy_version", "consecutive_skips", "skipped_updates", "rng")
-    return {name: getattr(state, name) for name in names}
+    return {name: getattr(state, name) for name in COUNTERS}
 
 
 def _apply_if(ok, tx, grads, params, opt_state):

@@ -19,7 +19,7 @@ TINY = (
     "--config.progress=false",
 )
 # Metrics that measure time, not the computation: excluded from bitwise comparisons.
-VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
+VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s", "engine_idle_", "learner_idle_")
 
 
 def train_process(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
