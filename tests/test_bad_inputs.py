@@ -497,6 +497,60 @@ CATALOGUE = [
         "model.loop_budget needs rollout.engine=jax",
         dry=True,
     ),
+    # ---- early exit
+    Row(
+        "unknown early-exit mode",
+        _args("--config.model.family=ouro", "--config.rollout.early_exit=always"),
+        "rollout.early_exit='always'; expected one of none/threshold/sample",
+        dry=True,
+    ),
+    Row(
+        "exit threshold outside (0, 1]",
+        _args("--config.rollout.exit_threshold=1.5"),
+        "rollout.exit_threshold=1.5 must be in (0, 1]",
+        dry=True,
+    ),
+    Row(
+        "depth as action without sampled exits",
+        _args(
+            "--config.model.family=ouro",
+            "--config.rollout.early_exit=threshold",
+            "--config.algo.depth_as_action=true",
+        ),
+        "algo.depth_as_action needs rollout.early_exit=sample",
+        dry=True,
+    ),
+    Row(
+        "early exit on a model without an exit gate",
+        _args("--config.rollout.early_exit=sample"),
+        "needs a model with an exit gate",
+        dry=True,
+    ),
+    Row(
+        "early exit on an HF model without an exit gate",
+        lambda ctx: _hf(ctx, lambda p: None) + ["--config.rollout.early_exit=threshold"],
+        "needs a model with an exit gate",
+    ),
+    Row(
+        "early exit with vLLM engines",
+        _args(
+            "--config.model.family=ouro",
+            "--config.rollout.engine=vllm",
+            "--config.rollout.early_exit=threshold",
+        ),
+        "rollout.early_exit=threshold needs rollout.engine=jax",
+        dry=True,
+    ),
+    Row(
+        "early exit with sequence packing",
+        _args(
+            "--config.model.family=ouro",
+            "--config.learner.pack_tokens=64",
+            "--config.rollout.early_exit=sample",
+        ),
+        "with learner.pack_tokens > 0 is not supported",
+        dry=True,
+    ),
 ]
 
 
