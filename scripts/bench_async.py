@@ -8,8 +8,9 @@ Each repeat trains every staleness once, interleaved (0, 1, 0, 1, ...), each a f
 through `--num-engines` vLLM engines on a local Ray cluster started by each run). Updates per
 minute are 60 / the median `time_total` of the updates after the first two (start-up and
 compilation excluded); the median over repeats is reported, with the engine and learner idle
-fractions, the mean staleness, and the learning curve (eval reward per update, the first
-repeat). A table and one JSON line. Extra `--config.*` arguments go to every run.
+fractions, the mean staleness, the learning curve (eval reward per update, the first repeat) and,
+with `--config.rollout.publish=delta`, the bytes published over the run against full
+publications. A table and one JSON line. Extra `--config.*` arguments go to every run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def run(k: int, repeat: int, args, extra: list[str]) -> dict:
         "staleness_mean": statistics.mean(r["staleness_mean"] for r in rows),
         "eval_curve": [round(r.get("eval_reward", float("nan")), 4) for r in rows],
         "final_eval_reward": rows[-1].get("final_eval_reward"),
+        # rollout.publish=delta: the bytes sent over the run against full publications
+        "publish_bytes": sum(r.get("publish_bytes") or 0.0 for r in rows),
+        "publish_full_bytes": sum(r.get("publish_full_bytes") or 0.0 for r in rows),
     }
 
 
@@ -90,6 +94,8 @@ def main(argv=None) -> int:
             "staleness_mean": rs[0]["staleness_mean"],
             "final_eval_reward": [r["final_eval_reward"] for r in rs],
             "eval_curve": rs[0]["eval_curve"],
+            "publish_bytes": rs[0]["publish_bytes"],
+            "publish_full_bytes": rs[0]["publish_full_bytes"],
         }
     base = table[ks[0]]["updates_per_min"]
     print(
@@ -106,6 +112,12 @@ def main(argv=None) -> int:
         )
     for k in ks:
         print(f"eval curve k={k}: {table[k]['eval_curve']}")
+        sent, full = table[k]["publish_bytes"], table[k]["publish_full_bytes"]
+        if full:
+            print(
+                f"publication k={k}: {sent / 1e6:.2f} MB sent of {full / 1e6:.2f} MB full "
+                f"({sent / full:.1%})"
+            )
     summary = {
         "bench": "async",
         "engine": args.engine,
