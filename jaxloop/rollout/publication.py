@@ -14,6 +14,13 @@ the tensors of exactly `base_version` (a publication with `retain`) takes the ot
 and `finish` verifies the digest of the reconstructed whole. A receiver on another version, or
 one that kept no tensors, refuses the delta at `begin`.
 
+Xor payloads (`Manifest.xor`, rollout.publish=delta_xor): a changed tensor may travel as
+`xor_encode(new, base)`, a 1-D uint8 tensor under its own name in the bucket: the bytes of new xor
+base, split into byte planes (byte 0 of every element, then byte 1, ...: the sign and exponent
+bytes, which a small update rarely flips, become long zero runs), compressed with zlib level 1.
+The receiver rebuilds new = base xor payload from the base tensor it retained (`xor_decode`) and
+the whole version's digest is verified as for any delta.
+
 numpy + ml_dtypes only: importable by the JAX trainer and by engine processes (no jax, no torch).
 The safetensors byte format comes from jaxloop.safetensors_format (bfloat16 included).
 """
@@ -27,6 +34,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -101,13 +109,56 @@ def tensor_digest(tensors: Iterable[tuple[str, np.ndarray]]) -> str:
     return combine_digest(_specs(items), tensor_hashes(items.items()))
 
 
+# ---- xor payloads --------------------------------------------------------------------------------
+XOR_ZLIB_LEVEL = 1  # level 1: ~2-4x the speed of the default level at a few % larger payloads
+
+
+def _byte_planes(arr: np.ndarray) -> np.ndarray:
+    """[itemsize, n] uint8: row j holds byte j of every element."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return flat.view(np.uint8).reshape(flat.size, flat.itemsize).T
+
+
+def xor_encode(new: np.ndarray, base: np.ndarray) -> bytes | None:
+    """The xor payload of `new` over `base` (same shape and dtype): zlib(byte planes of new xor
+    base). None when it is not smaller than new's raw bytes (then the tensor is sent raw)."""
+    if new.shape != base.shape or new.dtype != base.dtype:
+        raise ValueError(f"xor of {new.dtype}{new.shape} over {base.dtype}{base.shape}")
+    planes = np.empty((new.dtype.itemsize, new.size), np.uint8)  # plane-major, contiguous
+    np.bitwise_xor(_byte_planes(new), _byte_planes(base), out=planes)
+    payload = zlib.compress(planes.data, XOR_ZLIB_LEVEL)
+    return payload if len(payload) < new.nbytes else None
+
+
+def xor_decode(name: str, payload: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """The tensor whose xor payload over `base` is `payload` (uint8); a payload that is not a
+    complete zlib stream of exactly base's byte count -> PublicationError."""
+    n, itemsize = base.size, base.dtype.itemsize
+    inflater = zlib.decompressobj()
+    try:  # max_length: never inflate more than the tensor's bytes (a corrupted length field)
+        data = inflater.decompress(memoryview(np.ascontiguousarray(payload)), n * itemsize + 1)
+    except zlib.error as e:
+        raise PublicationError(f"xor payload of {name}: {e}") from None
+    if len(data) != n * itemsize or not inflater.eof or inflater.unconsumed_tail:
+        raise PublicationError(
+            f"xor payload of {name}: {len(data)} bytes"
+            + ("" if inflater.eof else " (truncated)")
+            + f", expected {n * itemsize}"
+        )
+    planes = np.frombuffer(data, np.uint8).reshape(itemsize, n)
+    elements = np.empty((n, itemsize), np.uint8)  # element-major, contiguous
+    np.bitwise_xor(planes.T, _byte_planes(base).T, out=elements)
+    return elements.reshape(-1).view(base.dtype).reshape(base.shape)
+
+
 # ---- manifest ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """What one publication promises to deliver: the whole version (every tensor's spec, the
     count, the digest, the bytes), and for a delta (`base_version` set) the names its buckets
-    carry (`sent`; the rest are the base version's). `retain`: the receiver keeps this version's
-    tensors as the base of later deltas."""
+    carry (`sent`; the rest are the base version's), of which those in `xor` (name -> payload
+    bytes) travel as xor payloads over the base (see xor_encode). `retain`: the receiver keeps
+    this version's tensors as the base of later deltas."""
 
     version: int
     tensors: dict[str, Spec]  # name -> (shape, dtype name)
@@ -117,6 +168,7 @@ class Manifest:
     base_version: int | None = None
     sent: tuple[str, ...] | None = None  # None: every tensor
     retain: bool = False
+    xor: dict[str, int] | None = None  # delta only: sent tensors carried as xor payloads
 
     @classmethod
     def build(
@@ -128,18 +180,24 @@ class Manifest:
         base_version: int | None = None,
         sent: Iterable[str] | None = None,
         retain: bool = False,
+        xor: Mapping[str, int] | None = None,
     ) -> Manifest:
         """The manifest of `tensors` (all of the version); `hashes`: their tensor_hashes when
         already computed; `base_version` and `sent`: a delta over that version carrying those
-        tensors."""
+        tensors, `xor` (name -> payload bytes) the ones sent as xor payloads."""
         items = _unique(tensors)
         if (base_version is None) != (sent is None):
             raise ValueError("a delta manifest needs both base_version and sent")
+        if xor is not None and sent is None:
+            raise ValueError("xor payloads need a delta (base_version and sent)")
         if sent is not None:
             sent = tuple(sent)
             unknown = sorted(set(sent) - set(items))
             if unknown:
                 raise PublicationError(f"delta sends tensor {unknown[0]}, not in the version")
+            unsent = sorted(set(xor or ()) - set(sent))
+            if unsent:
+                raise PublicationError(f"xor payload for tensor {unsent[0]}, not in sent")
         specs = _specs(items)
         return cls(
             version=int(version),
@@ -150,16 +208,21 @@ class Manifest:
             base_version=None if base_version is None else int(base_version),
             sent=sent,
             retain=bool(retain),
+            xor=None if xor is None else {str(n): int(b) for n, b in xor.items()},
         )
 
     @property
     def sent_bytes(self) -> int:
-        """Tensor bytes the buckets carry (total_bytes for a full publication)."""
+        """Tensor bytes the buckets carry (total_bytes for a full publication; an xor payload
+        counts its compressed bytes)."""
         if self.sent is None:
             return self.total_bytes
+        xor = self.xor or {}
         return int(
             sum(
-                math.prod(self.tensors[n][0]) * np.dtype(self.tensors[n][1]).itemsize
+                xor[n]
+                if n in xor
+                else math.prod(self.tensors[n][0]) * np.dtype(self.tensors[n][1]).itemsize
                 for n in self.sent
             )
         )
@@ -175,6 +238,7 @@ class Manifest:
             "base_version": self.base_version,
             "sent": None if self.sent is None else list(self.sent),
             "retain": self.retain,
+            "xor": self.xor,
         }
 
     @classmethod
@@ -188,6 +252,7 @@ class Manifest:
             base_version=None if d.get("base_version") is None else int(d["base_version"]),
             sent=None if d.get("sent") is None else tuple(str(n) for n in d["sent"]),
             retain=bool(d.get("retain", False)),
+            xor=None if d.get("xor") is None else {str(n): int(b) for n, b in d["xor"].items()},
         )
 
 
@@ -311,6 +376,11 @@ class PublicationReceiver:
             unknown = sorted(set(manifest.sent) - set(manifest.tensors))
             if unknown:
                 self._refuse(f"manifest: delta sends tensor {unknown[0]}, not in the version")
+            unsent = sorted(set(manifest.xor or ()) - set(manifest.sent))
+            if unsent:
+                self._refuse(f"manifest: xor payload for tensor {unsent[0]}, not in sent")
+        elif manifest.xor is not None:
+            self._refuse("manifest: xor payloads in a full publication (they need a base)")
         self._manifest = manifest
 
     def add_chunk(self, version: int, data: bytes) -> int:
@@ -320,15 +390,25 @@ class PublicationReceiver:
             items = deserialize_tensors(data)
         except PublicationError as e:
             self._refuse(str(e))
-        sent = self._manifest.sent
+        sent, xor = self._manifest.sent, self._manifest.xor or {}
         for name, arr in items:
             if name not in self._manifest.tensors:
                 self._refuse(f"chunk: tensor {name} is not in the manifest")
             if sent is not None and name not in sent:
                 self._refuse(f"chunk: tensor {name} is not in this delta's tensors")
-            self._check_spec(name, arr.shape, dtype_name(arr.dtype), "chunk")
             if name in self._received:
                 self._refuse(f"chunk: tensor {name} received twice")
+            if name in xor:  # a 1-D uint8 payload of the manifest's length, over the base
+                if arr.dtype != np.uint8 or arr.shape != (xor[name],):
+                    self._refuse(
+                        f"chunk: xor payload of {name} is {dtype_name(arr.dtype)}{arr.shape}, "
+                        f"expected uint8({xor[name]},)"
+                    )
+                try:
+                    arr = xor_decode(name, arr, self.retained[name])
+                except PublicationError as e:
+                    self._refuse(f"chunk: {e}")
+            self._check_spec(name, arr.shape, dtype_name(arr.dtype), "chunk")
             self._received[name] = arr
         return len(items)
 
@@ -359,13 +439,17 @@ class PublicationReceiver:
         self.committed_version = version
         if manifest.retain:  # copies of what arrived (views of bucket buffers), read-only
             arrived = manifest.tensors if manifest.sent is None else set(manifest.sent)
-            self.retained = {n: _owned(a) if n in arrived else a for n, a in tensors.items()}
+            decoded = manifest.xor or {}  # xor_decode's own arrays: no second copy
+            self.retained = {
+                n: _owned(a, copy=n not in decoded) if n in arrived else a
+                for n, a in tensors.items()
+            }
         else:
             self.retained = None
         return tensors
 
 
-def _owned(arr: np.ndarray) -> np.ndarray:
-    out = np.array(arr)
+def _owned(arr: np.ndarray, copy: bool = True) -> np.ndarray:
+    out = np.array(arr) if copy else arr
     out.setflags(write=False)
     return out

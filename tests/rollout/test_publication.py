@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import ml_dtypes
@@ -359,3 +360,130 @@ def test_delta_manifest_round_trips():
     assert Manifest.from_dict(m.to_dict()) == m
     assert m.digest == Manifest.build(4, t).digest  # the digest is the whole version's
     assert m.sent_bytes == 8 * 4 < m.total_bytes
+
+
+# ---- xor payloads (rollout.publish=delta_xor) ----------------------------------------------------
+def _nudged(tensors, names, seed, step=1e-3):
+    """`tensors` with the tensors `names` moved by a small step (as one optimizer update does:
+    the sign and exponent bytes mostly stay, so their xor compresses)."""
+    rng = np.random.default_rng(seed)
+    return [
+        (n, (a.astype(np.float32) + step * rng.normal(size=a.shape)).astype(a.dtype))
+        if n in names
+        else (n, a)
+        for n, a in tensors
+    ]
+
+
+def _xor_manifest(version, base, new, sent):
+    """The delta of `new` over `base` (version - 1) sending `sent`, each as an xor payload where
+    xor_encode finds one smaller than the raw bytes; returns the manifest and the bucket items."""
+    old = dict(base)
+    payloads = {n: pub.xor_encode(a, old[n]) for n, a in new if n in sent}
+    xor = {n: len(p) for n, p in payloads.items() if p is not None}
+    manifest = Manifest.build(
+        version, new, base_version=version - 1, sent=sent, retain=True, xor=xor
+    )
+    items = [
+        (n, a if payloads[n] is None else np.frombuffer(payloads[n], np.uint8))
+        for n, a in new
+        if n in sent
+    ]
+    return manifest, items
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
+def test_xor_delta_reconstructs_every_version_bit_exactly(dtype):
+    """Versions sent as xor payloads over the previous one (whose base is itself an xor
+    reconstruction) come out byte for byte equal to the publisher's tensors; payloads are
+    smaller than the raw bytes, and an incompressible change (fresh random values: its xor is
+    noise) goes raw in the same delta."""
+    v0 = _tensors(dtype=dtype)
+    rx = PublicationReceiver(_expected(v0))
+    _transaction(rx, 0, v0, manifest=Manifest.build(0, v0, retain=True))
+    versions = [v0]
+    q, head, norm = "model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.norm.weight"
+    for version, nudged, fresh in [(1, {head, q}, set()), (2, {q}, {norm}), (3, {head}, {q})]:
+        new = _changed(_nudged(versions[-1], nudged, seed=version), fresh, seed=10 + version)
+        sent = sorted(nudged | fresh)
+        manifest, items = _xor_manifest(version, versions[-1], new, sent)
+        assert sorted(manifest.xor) == sorted(nudged)  # the fresh tensors go raw
+        raw = {n: a.nbytes for n, a in new}
+        assert all(0 < manifest.xor[n] < raw[n] for n in nudged)
+        assert manifest.sent_bytes == sum(manifest.xor.values()) + sum(raw[n] for n in fresh)
+        rx.begin(version, manifest)
+        for chunk in make_chunks(items, 200):
+            rx.add_chunk(version, chunk)
+        got = rx.finish(version, manifest.count, manifest.digest)
+        assert rx.committed_version == version
+        for name, arr in new:
+            assert got[name].dtype == arr.dtype and got[name].tobytes() == arr.tobytes(), name
+            assert rx.retained[name].tobytes() == arr.tobytes(), name
+        assert got[head].tobytes() != versions[-1][3][1].tobytes() or head not in sent
+        versions.append(new)
+
+
+def test_xor_encode_round_trip_and_incompressible():
+    base = np.random.default_rng(0).normal(size=(64, 32)).astype(BF16)
+    new = (base.astype(np.float32) * (1 + 1e-3)).astype(BF16)
+    payload = pub.xor_encode(new, base)
+    assert payload is not None and len(payload) < new.nbytes
+    back = pub.xor_decode("t", np.frombuffer(payload, np.uint8), base)
+    assert back.dtype == new.dtype and back.shape == new.shape
+    assert back.tobytes() == new.tobytes()
+    noise = np.random.default_rng(1).integers(0, 256, base.nbytes, np.uint8)  # random bits
+    noise = noise.view(BF16).reshape(base.shape)
+    assert pub.xor_encode(noise, base) is None  # not smaller than its raw bytes: sent raw
+    with pytest.raises(ValueError, match="xor of"):
+        pub.xor_encode(new.astype(np.float32), base)
+
+
+def test_corrupted_xor_payload_is_refused_and_the_old_version_serves():
+    """A payload with a flipped byte (zlib's checksum), a truncated one, one of the wrong length
+    and one that inflates to other bytes (a valid stream over the wrong tensor: only the full
+    digest catches it) are refused; the committed version and its retained base stay, and the
+    correct delta then commits."""
+    v0 = _tensors()
+    rx = PublicationReceiver(_expected(v0))
+    _transaction(rx, 0, v0, manifest=Manifest.build(0, v0, retain=True))
+    head = "lm_head.weight"
+    v1 = _nudged(v0, {head}, seed=1)
+    manifest, items = _xor_manifest(1, v0, v1, [head])
+    payload = items[0][1]
+    assert manifest.xor == {head: payload.size}
+
+    def attempt(data, man=manifest):
+        rx.begin(1, man)
+        rx.add_chunk(1, serialize_tensors([(head, data)]))
+        return rx.finish(1, man.count, man.digest)
+
+    flipped = payload.copy()
+    flipped[payload.size // 2] ^= 0x10
+    with pytest.raises(PublicationError, match=f"xor payload of {head}"):
+        attempt(flipped)
+    truncated = dataclasses.replace(manifest, xor={head: payload.size - 4})
+    with pytest.raises(PublicationError, match="truncated"):
+        attempt(payload[:-4], truncated)
+    with pytest.raises(PublicationError, match="expected uint8"):
+        attempt(payload[:-4])
+    wrong = np.frombuffer(pub.xor_encode(_nudged(v0, {head}, seed=2)[3][1], v0[3][1]), np.uint8)
+    with pytest.raises(PublicationError, match="digest mismatch \\(reconstructed"):
+        attempt(wrong, dataclasses.replace(manifest, xor={head: wrong.size}))
+    assert rx.committed_version == 0 and rx.in_progress is None
+    assert all(rx.retained[n].tobytes() == a.tobytes() for n, a in v0)
+    got = attempt(payload)
+    assert rx.committed_version == 1 and got[head].tobytes() == v1[3][1].tobytes()
+
+
+def test_xor_manifest_round_trips_and_is_checked():
+    t = _tensors()
+    head = "lm_head.weight"
+    m = Manifest.build(4, t, base_version=3, sent=[head], retain=True, xor={head: 100})
+    assert Manifest.from_dict(m.to_dict()) == m
+    assert m.sent_bytes == 100
+    with pytest.raises(PublicationError, match="not in sent"):
+        Manifest.build(4, t, base_version=3, sent=[head], xor={"model.norm.weight": 10})
+    rx = PublicationReceiver(_expected(t))
+    _transaction(rx, 0, t)
+    with pytest.raises(PublicationError, match="xor payloads in a full publication"):
+        rx.begin(1, dataclasses.replace(Manifest.build(1, t), xor={head: 10}))
