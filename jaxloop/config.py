@@ -98,7 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.ray_address = ""
     c.rollout.publish_bucket_mb = 64
     c.rollout.transport = "object_store"  # or 'disk'
-    c.rollout.publish = "full"  # or 'delta': only the tensors that changed since the last version
+    # or 'delta': only the tensors that changed since the last version; 'delta_xor': those as
+    # compressed xor payloads over the last version (the trainer keeps one model copy on the host)
+    c.rollout.publish = "full"
     # Ray engines: seconds an engine may take to answer its part of a generate call; one that does
     # not is killed, restarted with the committed policy and its part regenerated (health checks:
     # min(120, this))
@@ -265,7 +267,9 @@ DESCRIPTIONS = {
     "rollout.publish_bucket_mb": "vllm: policy publication bucket size in MB",
     "rollout.transport": "vllm: publication transport object_store | disk",
     "rollout.publish": "vllm: full | delta (send only the tensors whose bytes changed since the "
-    "engines' committed version; a refused delta is sent in full)",
+    "engines' committed version; a refused delta is sent in full) | delta_xor (delta, each changed "
+    "tensor sent as zlib(new xor committed bytes) where that is smaller; the trainer keeps the "
+    "committed version's tensors: one more model copy in host memory)",
     "rollout.engine_timeout_s": "vllm: seconds an engine may take for its part of a generate "
     "call; past it, it is restarted and its part regenerated",
     "rollout.publish_timeout_s": "vllm: seconds an engine may take for its part of a policy "
@@ -610,12 +614,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.rollout.max_staleness < 0:
         raise UsageError(f"rollout.max_staleness must be >= 0 (got {cfg.rollout.max_staleness})")
-    if cfg.rollout.publish not in ("full", "delta"):
-        raise UsageError(f"rollout.publish={cfg.rollout.publish!r}; expected 'full' or 'delta'")
-    if cfg.rollout.publish == "delta" and cfg.rollout.engine == "jax":
+    if cfg.rollout.publish not in ("full", "delta", "delta_xor"):
         raise UsageError(
-            "rollout.publish=delta needs remote engines (rollout.engine=vllm): the embedded "
-            "sampler takes the trainer's arrays without a copy, nothing is sent"
+            f"rollout.publish={cfg.rollout.publish!r}; expected 'full', 'delta' or 'delta_xor'"
+        )
+    if cfg.rollout.publish != "full" and cfg.rollout.engine == "jax":
+        raise UsageError(
+            f"rollout.publish={cfg.rollout.publish} needs remote engines (rollout.engine=vllm): "
+            "the embedded sampler takes the trainer's arrays without a copy, nothing is sent"
         )
     for key in ("num_engines", "publish_bucket_mb"):
         if cfg.rollout[key] < 1:

@@ -240,13 +240,19 @@ CATALOGUE = [
     Row(
         "unknown publication mode",
         _args("--config.rollout.publish=sparse"),
-        "rollout.publish='sparse'; expected 'full' or 'delta'",
+        "rollout.publish='sparse'; expected 'full', 'delta' or 'delta_xor'",
         dry=True,
     ),
     Row(
         "delta publication to the embedded engine",
         _args("--config.rollout.publish=delta"),
         "rollout.publish=delta needs remote engines",
+        dry=True,
+    ),
+    Row(
+        "xor delta publication to the embedded engine",
+        _args("--config.rollout.publish=delta_xor"),
+        "rollout.publish=delta_xor needs remote engines",
         dry=True,
     ),
     Row(
@@ -495,6 +501,30 @@ CATALOGUE = [
         "loop budget with vLLM engines",
         _args("--config.rollout.engine=vllm", "--config.model.loop_budget=1@0"),
         "model.loop_budget needs rollout.engine=jax",
+        dry=True,
+    ),
+    # ---- per-loop credit
+    Row(
+        "unknown loop credit",
+        _args("--config.algo.loop_credit=first"),
+        "algo.loop_credit='first'; expected one of last/uniform/progressive/exit_pdf",
+        dry=True,
+    ),
+    Row(
+        "exit-pdf loop credit without an exit gate",
+        _args("--config.algo.loop_credit=exit_pdf"),
+        "algo.loop_credit=exit_pdf needs a model with an exit gate",
+        dry=True,
+    ),
+    Row(
+        "loop credit with the exit choice as an action",
+        _args(
+            "--config.model.family=ouro",
+            "--config.rollout.early_exit=sample",
+            "--config.algo.depth_as_action=true",
+            "--config.algo.loop_credit=uniform",
+        ),
+        "algo.loop_credit=uniform with algo.depth_as_action is not supported",
         dry=True,
     ),
     # ---- early exit

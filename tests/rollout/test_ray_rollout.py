@@ -445,6 +445,38 @@ def test_delta_publication(bridge, tmp_path):
         client.publish_mode = "full"
 
 
+def test_xor_delta_publication(bridge):
+    """rollout.publish=delta_xor through the engines: changed tensors travel as compressed xor
+    payloads over the committed version (an exponent-only change compresses to almost nothing),
+    the engines serve the new version bit-exactly, and an engine killed afterwards comes back on
+    it by replaying the full publication and the xor delta."""
+    client = bridge.client
+    client.publish_mode = "delta_xor"
+    try:
+        first = bridge.serve("A")
+        assert first.sent_bytes == first.num_bytes and client._base_tensors is not None
+        bridge.policies["E"] = _altered(bridge, "A", {"blocks.o_proj": 2.0, "lm_head": 1.5})
+        stats = bridge.serve("E")
+        manifest = Manifest.from_dict(client._chain[-1][0])
+        assert manifest.base_version == first.version and "lm_head.weight" in manifest.sent
+        assert manifest.xor and any("o_proj" in n for n in manifest.xor)
+        raw = sum(a.nbytes for n, a in client.hf_tensors(bridge.policy("E")) if n in manifest.sent)
+        assert stats.sent_bytes == manifest.sent_bytes < raw and not stats.fell_back
+        TIMINGS["xor_delta_sent_of_changed"] = stats.sent_bytes / raw
+        cursor = client.state()
+        want = bridge.reference_produce("E", cursor, 6)[0]
+        client.restore(cursor)
+        assert_same_samples(client.produce(6)[0], want)
+
+        os.kill(client.health()[0]["pid"], signal.SIGKILL)
+        health = client.health()
+        assert health[0]["restarted"] and [h["version"] for h in health] == [stats.version] * 2
+        client.restore(cursor)
+        assert_same_samples(client.produce(6)[0], want)
+    finally:
+        client.publish_mode = "full"
+
+
 # ---- a vLLM engine actor behind the same bridge ----------------------------------------------
 class VLLMBridge:
     """One vLLM engine actor (head_dim 32) in the module's cluster (joined, not started)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -23,7 +24,7 @@ from ray.util.placement_group import remove_placement_group
 from jaxloop.config import engine_log_level
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
-from jaxloop.rollout.publication import Manifest, iter_chunks, tensor_hashes
+from jaxloop.rollout.publication import Manifest, iter_chunks, tensor_hashes, xor_encode
 from jaxloop.rollout.ray.actor import EngineSpec, error_text
 from jaxloop.rollout.ray.manager import RolloutManager
 from jaxloop.rollout.types import PublishStats, Sample
@@ -62,7 +63,7 @@ class RayRolloutClient:
         self.kind = engine_kind or r.engine
         self.log_level = engine_log_level(cfg)
         self.transport = r.transport
-        self.publish_mode = r.publish  # 'full' or 'delta'
+        self.publish_mode = r.publish  # 'full', 'delta' or 'delta_xor'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
         self.model_config = actor_model.config
         self.timings: dict[str, float] = {}
@@ -78,8 +79,10 @@ class RayRolloutClient:
         self._chain: list[tuple[dict, list, str]] = []
         self._dirs: list[Path] = []
         self._cursor: dict | None = None
-        # delta publication: sha256 of every tensor of the committed version
+        # delta publication: sha256 of every tensor of the committed version; delta_xor: its
+        # host tensors too (one model copy on the host), the base of the xor payloads
         self._hashes: dict[str, bytes] | None = None
+        self._base_tensors: dict[str, np.ndarray] | None = None
         self.publish_fallbacks = 0
         self.manager_restarts = 0
         self._engine_restarts = [0.0, 0.0]  # [of replaced managers, last read from this one]
@@ -273,18 +276,20 @@ class RayRolloutClient:
         tensors = self.hf_tensors(policy)
         t_tensors = time.perf_counter()
         hashes = tensor_hashes(tensors)
-        delta_mode = self.publish_mode == "delta"
+        delta_mode = self.publish_mode in ("delta", "delta_xor")
         full = Manifest.build(policy.version, tensors, hashes=hashes, retain=delta_mode)
-        delta = self._delta(full, hashes) if delta_mode else None
+        delta, payloads = self._delta(full, hashes, tensors) if delta_mode else (None, {})
         self.last_breakdown = {"hf_tensors_s": t_tensors - start}
         self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
+        base = tensors if self.publish_mode == "delta_xor" else None
         if delta is None:
             chunks = iter_chunks(tensors, self.bucket_bytes)
-            return self.publish_prepared(full, chunks, start=start, hashes=hashes)
+            return self.publish_prepared(full, chunks, start=start, hashes=hashes, base=base)
         changed = set(delta.sent)
-        chunks = iter_chunks([(n, a) for n, a in tensors if n in changed], self.bucket_bytes)
+        sent = [(n, payloads.get(n, a)) for n, a in tensors if n in changed]
+        chunks = iter_chunks(sent, self.bucket_bytes)
         try:
-            return self.publish_prepared(delta, chunks, start=start, hashes=hashes)
+            return self.publish_prepared(delta, chunks, start=start, hashes=hashes, base=base)
         except PublicationError as e:  # the engines still serve the committed version
             self.publish_fallbacks += 1
             logger.warning(
@@ -293,26 +298,40 @@ class RayRolloutClient:
                 e,
             )
         chunks = iter_chunks(tensors, self.bucket_bytes)
-        stats = self.publish_prepared(full, chunks, start=start, hashes=hashes)
+        stats = self.publish_prepared(full, chunks, start=start, hashes=hashes, base=base)
         stats = dataclasses.replace(
             stats, sent_bytes=stats.sent_bytes + delta.sent_bytes, fell_back=True
         )
         self.publish_history[-1] = stats
         return stats
 
-    def _delta(self, full: Manifest, hashes: dict[str, bytes]) -> Manifest | None:
-        """The delta of `full` over the committed version: the tensors whose bytes changed. None
-        (publish in full) before the first retained publication, when every tensor changed, or
-        when the deltas since the last full publication would carry more bytes than one full
-        publication (they stay alive for engine restarts: at most twice a model)."""
+    def _delta(
+        self, full: Manifest, hashes: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]
+    ) -> tuple[Manifest | None, dict[str, np.ndarray]]:
+        """The delta of `full` over the committed version: the tensors whose bytes changed, and
+        with delta_xor the xor payloads (uint8) of those whose payload is smaller than their raw
+        bytes (the others go raw). None (publish in full) before the first retained publication,
+        when the delta would carry as many bytes as the version (every tensor changed, no xor
+        savings), or when the deltas since the last full publication would carry more bytes than
+        one full publication (they stay alive for engine restarts: at most twice a model)."""
         if self._hashes is None or self._version is None:
-            return None
+            return None, {}
         changed = tuple(n for n in full.tensors if hashes[n] != self._hashes.get(n))
-        if len(changed) == full.count:
-            return None
-        delta = dataclasses.replace(full, base_version=self._version, sent=changed)
+        payloads: dict[str, np.ndarray] = {}
+        if self._base_tensors is not None and changed:
+            new = dict(tensors)
+            workers = min(8, os.cpu_count() or 1, len(changed))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # zlib drops the GIL
+                encoded = pool.map(lambda n: xor_encode(new[n], self._base_tensors[n]), changed)
+                for name, payload in zip(changed, encoded, strict=True):
+                    if payload is not None:
+                        payloads[name] = np.frombuffer(payload, np.uint8)
+        xor = {n: p.nbytes for n, p in payloads.items()} or None
+        delta = dataclasses.replace(full, base_version=self._version, sent=changed, xor=xor)
         chained = sum(Manifest.from_dict(m).sent_bytes for m, _, _ in self._chain[1:])
-        return None if chained + delta.sent_bytes > full.total_bytes else delta
+        if delta.sent_bytes >= full.total_bytes or chained + delta.sent_bytes > full.total_bytes:
+            return None, {}
+        return delta, payloads
 
     def publish_prepared(
         self,
@@ -323,11 +342,13 @@ class RayRolloutClient:
         digest: str | None = None,
         start: float | None = None,
         hashes: dict[str, bytes] | None = None,
+        base: list[tuple[str, np.ndarray]] | None = None,
     ) -> PublishStats:
         """Ship prepared buckets and run the transaction on every engine (count / digest default
         to the manifest's; tests pass others). Refusal -> PublicationError; the engines keep
-        serving the previous version. `hashes`: the version's tensor_hashes, kept as the base of
-        the next delta when the manifest asks the engines to retain it."""
+        serving the previous version. `hashes`: the version's tensor_hashes, and `base` its host
+        tensors (delta_xor), kept as the base of the next delta when the manifest asks the
+        engines to retain it."""
         start = time.perf_counter() if start is None else start
         t_send = time.perf_counter()
         version = manifest.version
@@ -362,6 +383,9 @@ class RayRolloutClient:
             self._dirs.append(where)
         self._version = version
         self._hashes = dict(hashes) if manifest.retain and hashes is not None else None
+        self._base_tensors = None
+        if manifest.retain and base is not None:  # owned copies: never a view of a jax buffer
+            self._base_tensors = {n: a if a.flags.owndata else np.array(a) for n, a in base}
         stats = PublishStats(
             version=version,
             num_tensors=manifest.count,
@@ -434,6 +458,7 @@ class RayRolloutClient:
             self.manager = None
             self._remove_placement_group()  # a dead manager's (a live one removed its own)
         self._version, self._chain, self._dirs, self._hashes = None, [], [], None
+        self._base_tensors = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
