@@ -150,6 +150,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.lam = 0.95
     c.algo.whiten_advantages = True
     c.algo.grpo_use_std = True
+    # per-loop credit: the policy loss is sum_t w_t loss_t over loop t's logits (last: the last
+    # loop only)
+    c.algo.loop_credit = "last"  # or 'uniform' | 'progressive' | 'exit_pdf'
     c.algo.reduction = "seq_mean_token_mean"
     c.algo.depth_as_action = False  # rollout.early_exit=sample: the exit choice joins the ratio
 
@@ -307,6 +310,9 @@ DESCRIPTIONS = {
     "algo.lam": "GAE lambda",
     "algo.whiten_advantages": "whiten GAE advantages over the batch",
     "algo.grpo_use_std": "grpo: divide advantages by the group std (false: Dr.GRPO)",
+    "algo.loop_credit": "policy loss over loops, sum_t w_t loss_t of loop t's logits: last (the "
+    "last loop only) | uniform (w_t = 1/L) | progressive (w_t ~ t + 1) | exit_pdf (Ouro's exit "
+    "distribution per token, no gradient through it; needs the exit gate)",
     "algo.reduction": "loss reduction: seq_mean_token_mean | token_mean",
     "algo.depth_as_action": "rollout.early_exit=sample: add the exit choice's log-probability "
     "(the gate's log p at the exit loop) to the token's in every ratio, training the gate",
@@ -635,6 +641,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
         raise UsageError(f"algo.reduction={cfg.algo.reduction!r}")
+    check_loop_credit(cfg)
     pack, longest = cfg.learner.pack_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if pack < 0 or 0 < pack < longest:
         raise UsageError(
@@ -741,6 +748,34 @@ def loop_budget_at(schedule: tuple[tuple[int, int], ...], update: int) -> int | 
     return loops
 
 
+LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
+
+
+def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
+    """algo.loop_credit. exit_pdf needs the Ouro exit gate: checked on the built-in family here
+    and on `model_config` (an HF / preset model) once known."""
+    credit = cfg.algo.loop_credit
+    if credit not in LOOP_CREDITS:
+        raise UsageError(f"algo.loop_credit={credit!r}; expected one of {'/'.join(LOOP_CREDITS)}")
+    if credit == "last":
+        return
+    if cfg.algo.depth_as_action:
+        raise UsageError(
+            f"algo.loop_credit={credit} with algo.depth_as_action is not supported: the exit "
+            "choice's log-probability belongs to no single loop"
+        )
+    if credit != "exit_pdf":
+        return
+    builtin = not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset)
+    gate = model_config.early_exit_gate if model_config is not None else None
+    if gate is None and builtin:
+        gate = cfg.model.family == "ouro"
+    if gate is False:
+        raise UsageError(
+            "algo.loop_credit=exit_pdf needs a model with an exit gate (Ouro); this model has none"
+        )
+
+
 def engine_log_level(cfg) -> str:
     """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
     level = cfg.rollout.engine_log_level.upper()
@@ -789,6 +824,7 @@ def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config
             raise UsageError(
                 f"{name}={value} is not divisible by mesh data x fsdp = {data_parallel}"
             )
+    check_loop_credit(cfg, model_config)
     check_loop_budget(parse_loop_budget(cfg.model.loop_budget), model_config.num_loops)
     check_early_exit(cfg, model_config)
     if cfg.rollout.engine != "jax" and cfg.dist.num_processes > 1:

@@ -232,6 +232,7 @@ class Training:
             critic_steps=cfg.critic.steps_per_rollout,
             logits_chunk=cfg.model.logits_chunk,
             pack_tokens=cfg.learner.pack_tokens,
+            loop_credit=cfg.algo.loop_credit,
             advantage=AdvantageHParams(
                 gamma=cfg.algo.gamma,
                 lam=cfg.algo.lam,
@@ -551,7 +552,8 @@ class Trainer:
                 metrics["draft_feature_tokens"] = float(
                     self.features.write(update, self.version, samples, batch, hidden)
                 )
-        old_lp_host = shd.to_host(old_lp)
+        # per-loop credit: [L, N, T]; the engine sampled from the last loop
+        old_lp_host = shd.to_host(old_lp[-1] if learner.per_loop else old_lp)
         metrics["time_old_logprobs"] = time.perf_counter() - t1
         if metrics["staleness_max"] == 0:  # a batch of older versions cannot be checked
             metrics.update(self.check_logprobs(update, batch, old_lp_host))

@@ -503,6 +503,30 @@ CATALOGUE = [
         "model.loop_budget needs rollout.engine=jax",
         dry=True,
     ),
+    # ---- per-loop credit
+    Row(
+        "unknown loop credit",
+        _args("--config.algo.loop_credit=first"),
+        "algo.loop_credit='first'; expected one of last/uniform/progressive/exit_pdf",
+        dry=True,
+    ),
+    Row(
+        "exit-pdf loop credit without an exit gate",
+        _args("--config.algo.loop_credit=exit_pdf"),
+        "algo.loop_credit=exit_pdf needs a model with an exit gate",
+        dry=True,
+    ),
+    Row(
+        "loop credit with the exit choice as an action",
+        _args(
+            "--config.model.family=ouro",
+            "--config.rollout.early_exit=sample",
+            "--config.algo.depth_as_action=true",
+            "--config.algo.loop_credit=uniform",
+        ),
+        "algo.loop_credit=uniform with algo.depth_as_action is not supported",
+        dry=True,
+    ),
     # ---- early exit
     Row(
         "unknown early-exit mode",

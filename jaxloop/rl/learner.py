@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,131 @@ def packed_token_values(graphdef, params, rows: dict):
     return unpack_rows(values, rows["rows_index"])
 
 
+# ---- per-loop credit (algo.loop_credit) ----
+LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
+
+
+class LoopStats(NamedTuple):
+    """Per loop t of the model, each [L, B, T]: the selected token's log-prob, the entropy and
+    (with old parameters) Flow-DPPO's D_t = KL(pi_old_t || pi_t) of loop t's distribution, and
+    KL(pi_last || pi_t); the exit distribution (models with an exit gate, else None) and the last
+    loop's LM-head inputs [B, T, E]."""
+
+    logprobs: jax.Array
+    entropy: jax.Array
+    old_kl: jax.Array | None
+    kl_to_last: jax.Array
+    exit_probs: jax.Array | None
+    hidden: jax.Array
+
+
+def loop_weights(credit: str, num_loops: int, exit_probs: jax.Array | None = None) -> jax.Array:
+    """The weights w_t of the policy loss sum_t w_t loss_t, summing to 1 over loops: uniform
+    1/L and progressive (t + 1) / sum_j (j + 1) as [L, 1, 1]; exit_pdf the exit distribution
+    [L, B, T] of each token, stop-gradient (the weights carry no gradient into the gate)."""
+    if credit == "exit_pdf":
+        if exit_probs is None:
+            raise ValueError("loop_credit=exit_pdf needs a model with an exit gate (Ouro)")
+        return jax.lax.stop_gradient(exit_probs.astype(jnp.float32))
+    if credit == "uniform":
+        w = jnp.ones((num_loops,), jnp.float32)
+    elif credit == "progressive":
+        w = jnp.arange(1, num_loops + 1, dtype=jnp.float32)
+    else:
+        raise ValueError(f"loop_credit={credit!r} has no per-loop weights; one of {LOOP_CREDITS}")
+    return (w / jnp.sum(w))[:, None, None]
+
+
+def loop_token_stats(
+    graphdef, params, inputs: tuple, temperature, chunk=0, old_params=None, depths=None
+) -> LoopStats:
+    """`LoopStats` of model inputs (as `input_token_stats`): loop t's logits are the LM head
+    applied to the state after the norm that ends loop t (`ModelOutput.loop_hidden`).
+
+    Only one loop's logits exist at a time (plus the last loop's, for the KL to it): per chunk of
+    `chunk` positions (chunk <= 0: the whole sequence), each loop's statistics are computed in
+    turn under remat, so the backward pass recomputes them loop by loop as well; with chunk > 0
+    no [B, T, V] array exists, for any loop."""
+    input_ids, targets, attention_mask, positions, segment_ids = inputs
+    model = nnx.merge(graphdef, params)
+    out = model.forward(
+        input_ids,
+        positions,
+        attention_mask,
+        head=False,
+        return_loops=True,
+        segment_ids=segment_ids,
+        depths=depths,
+    )
+    cdt = jnp.dtype(model.config.compute_dtype)
+    lm_head = model.lm_head[...].astype(cdt)
+    old_hidden = old_head = None
+    if old_params is not None:
+        old = nnx.merge(graphdef, old_params)
+        old_out = old.forward(
+            input_ids,
+            positions,
+            attention_mask,
+            head=False,
+            return_loops=True,
+            segment_ids=segment_ids,
+            depths=depths,
+        )
+        old_hidden = jax.lax.stop_gradient(old_out.loop_hidden)
+        old_head = jax.lax.stop_gradient(old.lm_head[...].astype(cdt))
+
+    def one_loop(h, t, oh, last_logits):  # one loop's [B, c, E] -> four [B, c]
+        logits = project(h, lm_head) / temperature
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        selected = jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        kl = None if oh is None else categorical_kl(project(oh, old_head) / temperature, logits)
+        return selected, entropy, kl, categorical_kl(last_logits, logits)
+
+    def one_chunk(xs):  # [L, B, c, E], [B, c], [L, B, c, E] or None -> four [L, B, c]
+        h, t, oh = xs
+        last_logits = jax.lax.stop_gradient(project(h[-1], lm_head) / temperature)
+        per_loop = jax.checkpoint(lambda ys: one_loop(ys[0], t, ys[1], last_logits))
+        return jax.lax.map(per_loop, (h, oh))
+
+    length = out.loop_hidden.shape[2]
+    size = length if chunk <= 0 or chunk >= length else chunk
+    n = -(-length // size)
+
+    def split(x, axis):  # the length axis -> a leading chunk axis, zero-padded at the end
+        if x is None:
+            return None
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n * size - length)
+        x = jnp.pad(x, pad)
+        return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1 :]), axis, 0)
+
+    def merge(x):  # [n, L, B, c] -> [L, B, T]
+        if x is None:
+            return None
+        x = jnp.moveaxis(x, 0, 2)
+        return x.reshape(x.shape[:2] + (-1,))[..., :length]
+
+    body = one_chunk if n == 1 else jax.checkpoint(one_chunk)
+    chunks = jax.lax.map(body, (split(out.loop_hidden, 2), split(targets, 1), split(old_hidden, 2)))
+    selected, entropy, kl, kl_to_last = (merge(x) for x in chunks)
+    return LoopStats(selected, entropy, kl, kl_to_last, out.exit_probs, out.hidden)
+
+
+def packed_loop_stats(
+    graphdef, params, rows: dict, temperature, chunk: int = 0, old_params=None
+) -> LoopStats:
+    """`loop_token_stats` of packed rows, each result gathered back to the micro-batch's samples
+    (per loop: [L, micro, T]; hidden [micro, T, E])."""
+    segments = rows["rows_segment_ids"]
+    inputs = (rows["rows_tokens"], rows["rows_targets"], segments > 0, rows["rows_positions"])
+    stats = loop_token_stats(graphdef, params, inputs + (segments,), temperature, chunk, old_params)
+    index = rows["rows_index"]
+    per_loop = jax.vmap(lambda x: unpack_rows(x, index))
+    gathered = (None if x is None else per_loop(x) for x in stats[:-1])
+    return LoopStats(*gathered, unpack_rows(stats.hidden, index))
+
+
 def _micro_axes(x: jax.Array, micro_axis: int) -> tuple:
     axes = [None] * x.ndim
     axes[micro_axis] = "batch"
@@ -303,6 +429,7 @@ class LearnerConfig:
     logits_chunk: int = 0  # positions per LM-head chunk (0: the whole sequence)
     # > 0: each micro-batch's samples packed into rows of this many tokens (jaxloop.rl.packing)
     pack_tokens: int = 0
+    loop_credit: str = "last"  # the policy loss over loops (LOOP_CREDITS; last: the last loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,15 +538,46 @@ class Learner:
         return plans
 
     # ---- the public pure functions ----
+    @property
+    def per_loop(self) -> bool:
+        """Per-loop credit: the loss (and the old / reference log-probs) are per loop."""
+        return self.cfg.loop_credit != "last"
+
     def old_logprobs(self, state: TrainState, batch: dict, with_hidden: bool = False):
-        """[N, T] log-probs of the actor (with_hidden: and the [N, T, E] LM-head inputs)."""
+        """[N, T] log-probs of the actor (with_hidden: and the [N, T, E] LM-head inputs of the
+        last loop); per-loop credit: [L, N, T], loop t's log-probs (the last loop's is entry -1,
+        the one the engine sampled from)."""
         with self._mesh_context():
-            return self._old_logprobs(state.actor_params, batch, with_hidden)
+            out = self._old_logprobs(state.actor_params, batch, with_hidden)
+            if not self.per_loop:
+                return out
+            lp, hidden = out if with_hidden else (out, None)
+            lp = jnp.moveaxis(lp, 1, 0)  # computed sample axis first, as every batch field
+            return (lp, hidden) if with_hidden else lp
+
+    def _with_loop_logprobs(self, batch: dict) -> dict:
+        """Per-loop credit: the [L, N, T] 'old_logprobs' -> 'old_logprobs' the last loop's [N, T]
+        (advantages, metrics) and 'loop_old_logprobs' [N, L, T] (sample axis first, placed like
+        every batch field)."""
+        if not self.per_loop:
+            return batch
+        old = batch["old_logprobs"]
+        if old.ndim != 3:
+            raise ValueError(
+                f"loop_credit={self.cfg.loop_credit}: old_logprobs must be per loop [L, N, T] "
+                f"(Learner.old_logprobs), got shape {old.shape}"
+            )
+        fields = {"old_logprobs": old[-1], "loop_old_logprobs": jnp.moveaxis(old, 0, 1)}
+        if self.mesh is not None:
+            fields = {k: jax.device_put(v, self.batch_sharding) for k, v in fields.items()}
+        return {**batch, **fields}
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One rollout's optimizer steps. `batch` holds the RolloutBatch fields plus
-        'old_logprobs'. The input state is donated: use only the returned one."""
+        'old_logprobs' (per-loop credit: `old_logprobs`'s [L, N, T]). The input state is donated:
+        use only the returned one."""
         with self._mesh_context():
+            batch = self._with_loop_logprobs(batch)
             if self.offload.any:
                 return self._update_offloaded(state, batch)
             return self._update(state, batch)
@@ -561,14 +719,87 @@ class Learner:
     def _actor_logprobs(self, params, x: dict):
         return self._token_stats(params, x)[0]
 
+    def _loop_stats(self, params, x: dict, old_params=None) -> LoopStats:
+        """Per-loop token stats of a micro-batch `x` (padded samples or packed rows)."""
+        cfg = self.cfg
+        if "rows_index" in x:
+            return packed_loop_stats(
+                self.actor_graphdef, params, x, cfg.temperature, cfg.logits_chunk, old_params
+            )
+        if "exit_mask" in x:  # refused by the config validation (algo.depth_as_action)
+            raise ValueError("per-loop credit with the exit choice as an action is not supported")
+        tokens, attn = x["tokens"], x["attention_mask"]
+        inputs = (tokens[:, :-1], tokens[:, 1:], attn[:, :-1], None, None)
+        return loop_token_stats(
+            self.actor_graphdef,
+            params,
+            inputs,
+            cfg.temperature,
+            cfg.logits_chunk,
+            old_params,
+            x.get("depths"),
+        )
+
+    def _loop_logprobs(self, params, x: dict):
+        """[micro, L, T]: each loop's selected log-probs, sample axis first."""
+        return jnp.moveaxis(self._loop_stats(params, x).logprobs, 0, 1)
+
     def _old_logprobs_impl(self, actor_params, batch: dict, with_hidden: bool):
         def fn(params, x):
-            lp, _, _, hidden = self._token_stats(params, x)
+            if self.per_loop:
+                stats = self._loop_stats(params, x)
+                lp, hidden = jnp.moveaxis(stats.logprobs, 0, 1), stats.hidden
+            else:
+                lp, _, _, hidden = self._token_stats(params, x)
             return (lp, hidden) if with_hidden else lp
 
         return self._per_sample(fn, actor_params, batch)
 
+    def _loop_policy_micro_loss(self, old_params, num_samples, num_tokens):
+        """Per-loop credit: per token sum_t w_t loss_t (`loop_weights`), loss_t the registered
+        policy loss of loop t's log-probs against loop t's old / proximal (and reference)
+        log-probs; the behaviour log-probs (the engine's, of the last loop) serve every loop;
+        Flow-DPPO gates loop t by its own D_t = KL(pi_old_t || pi_t). The algorithm's metrics are
+        the last loop's (as with loop_credit=last); per loop (t = 1..L): loop<t>_entropy,
+        loop<t>_kl_to_last (KL(pi_last || pi_t)) and loop<t>_weight (the mean w_t)."""
+        algo, hp, credit = self.algorithm, self.hp, self.cfg.loop_credit
+        loss_fn = POLICY_LOSSES[algo.policy_loss]
+
+        def micro_loss(p, x):
+            stats = self._loop_stats(p, x, old_params if algo.needs_old_policy_logits else None)
+            loops = stats.logprobs.shape[0]
+            weights = loop_weights(credit, loops, stats.exit_probs)
+            old = jnp.moveaxis(x["loop_old_logprobs"], 1, 0)
+            ref = x.get("loop_ref_logprobs")
+            ref = None if ref is None else jnp.moveaxis(ref, 1, 0)
+            per_token, loop_metrics = 0.0, {}
+            for t in range(loops):
+                inputs = LossInputs(
+                    logprobs=stats.logprobs[t],
+                    old_logprobs=old[t],
+                    behav_logprobs=x["behav_logprobs"],
+                    advantages=x["advantages"],
+                    mask=x["mask"],
+                    ref_logprobs=None if ref is None else ref[t],
+                    old_kl=None if stats.old_kl is None else stats.old_kl[t],
+                )
+                loss_t, metrics = loss_fn(inputs, hp)
+                per_token = per_token + weights[t] * loss_t
+                loop_metrics[f"loop{t + 1}_entropy"] = stats.entropy[t]
+                loop_metrics[f"loop{t + 1}_kl_to_last"] = stats.kl_to_last[t]
+                loop_metrics[f"loop{t + 1}_weight"] = jnp.broadcast_to(weights[t], x["mask"].shape)
+            metrics = dict(metrics)  # the last loop's
+            metrics["approx_kl"] = kl_penalty(stats.logprobs[-1], old[-1], "k3")
+            metrics["entropy"] = stats.entropy[-1]
+            metrics.update(loop_metrics)
+            loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
+            return loss, masked_metric_sums(metrics, x["mask"])
+
+        return micro_loss
+
     def _policy_micro_loss(self, old_params, num_samples, num_tokens):
+        if self.per_loop:
+            return self._loop_policy_micro_loss(old_params, num_samples, num_tokens)
         algo, hp = self.algorithm, self.hp
         loss_fn = POLICY_LOSSES[algo.policy_loss]
 
@@ -618,7 +849,11 @@ class Learner:
         out = {}
         token_kl = values = None
         if ref_params is not None:
-            out["ref_logprobs"] = self._per_sample(self._actor_logprobs, ref_params, batch)
+            if self.per_loop:  # loop t's loss term is held to the reference's loop t
+                loop_ref = self._per_sample(self._loop_logprobs, ref_params, batch)
+                out["loop_ref_logprobs"], out["ref_logprobs"] = loop_ref, loop_ref[:, -1]
+            else:
+                out["ref_logprobs"] = self._per_sample(self._actor_logprobs, ref_params, batch)
             token_kl = old_lp - out["ref_logprobs"]
         if critic_params is not None:
             values = out["values"] = self._per_sample(self._values, critic_params, batch)
@@ -655,6 +890,10 @@ class Learner:
         }
         if "ref_logprobs" in prepared:
             fields["ref_logprobs"] = prepared["ref_logprobs"]
+        if self.per_loop:  # [N, L, T], gathered like the [N, T] fields
+            fields["loop_old_logprobs"] = batch["loop_old_logprobs"]
+            if "loop_ref_logprobs" in prepared:
+                fields["loop_ref_logprobs"] = prepared["loop_ref_logprobs"]
         n = batch["tokens"].shape[0]
         plan = _step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size)
         k = plan.shape[1] // cfg.micro_batch_size

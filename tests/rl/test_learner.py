@@ -55,9 +55,11 @@ class _Run:
         value_loss_scale=1.0,
         pack_tokens=0,
         updates=0,
+        loop_credit="last",
+        model_cfg=CFG,
     ):
         algo = get_algorithm(name)
-        actor = LoopedLM(CFG, rngs=nnx.Rngs(0))
+        actor = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
         critic = build_critic(actor, 1) if algo.uses_critic else None
         lcfg = LearnerConfig(
             micro,
@@ -67,6 +69,7 @@ class _Run:
             AdvantageHParams(kl_coef=kl_coef),
             logits_chunk=logits_chunk,
             pack_tokens=pack_tokens,
+            loop_credit=loop_credit,
         )
         hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta, value_loss_scale=value_loss_scale)
         tx = tx or optax.sgd(0.5)
@@ -87,7 +90,7 @@ class _Run:
             tx,
         )
         if kl_coef > 0:  # a reference that differs from the actor, so the KL term is non-zero
-            ref = nnx.state(LoopedLM(CFG, rngs=nnx.Rngs(5))).to_pure_dict()
+            ref = nnx.state(LoopedLM(model_cfg, rngs=nnx.Rngs(5))).to_pure_dict()
             self.state = self.state.replace(ref_params=ref)
         self.state = self.learner.rest(self.state)
 
