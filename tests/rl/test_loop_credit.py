@@ -12,9 +12,11 @@ from flax import nnx
 
 from jaxloop.models import LoopedConfig, tiny_hf_config
 from jaxloop.rl.losses import POLICY_LOSSES, LossInputs, reduce_loss
+from jaxloop.train import main
 from tests.rl.test_learner import CFG, _arrays, _Run
 from tests.rl.test_packing import PACK
 from tests.rl.test_packing import _batch as _long_tailed_batch
+from tests.train.helpers import TINY, read_rows
 
 TEMPERATURE = 0.8  # _Run's
 OURO = LoopedConfig.from_hf_dict(
@@ -186,3 +188,20 @@ def test_packed_per_loop_update_equals_padded():
     assert _max_diff(padded.state.actor_params, packed.state.actor_params) <= 1e-6
     for key, value in m_padded.items():
         assert abs(m_packed[key] - value) <= 1e-6 * max(1.0, abs(value)), key
+
+
+def test_trainer_uniform_run_on_the_mesh(tmp_path):
+    """One update of the CLI on the 8-device mesh: the per-loop recompute is [L, N, T] and the
+    engine-vs-trainer check reads its last loop (the same numbers as loop_credit=last, whose
+    rollout is the same), and the per-loop metrics are written."""
+    args = ["--config", "grpo.py", *TINY, "--config.total_updates=1", "--config.eval_every=100"]
+    for credit in ("last", "uniform"):
+        run_dir = tmp_path / credit
+        assert (
+            main([*args, f"--config.run_dir={run_dir}", f"--config.algo.loop_credit={credit}"]) == 0
+        )
+    last, uniform = (read_rows(tmp_path / credit)[0] for credit in ("last", "uniform"))
+    assert uniform["logprob_diff_max"] == last["logprob_diff_max"] <= 1e-5
+    assert abs(uniform["entropy"] - last["entropy"]) <= 1e-6  # the last loop's, same parameters
+    assert uniform["loop2_entropy"] == uniform["entropy"] and uniform["loop1_weight"] == 0.5
+    assert not any(key.startswith("loop1") for key in last)
