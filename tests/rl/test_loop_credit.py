@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.models import LoopedConfig, tiny_hf_config
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.losses import POLICY_LOSSES, LossInputs, reduce_loss
 from jaxloop.train import main
 from tests.rl.test_learner import CFG, _arrays, _Run
@@ -205,3 +205,19 @@ def test_trainer_uniform_run_on_the_mesh(tmp_path):
     assert abs(uniform["entropy"] - last["entropy"]) <= 1e-6  # the last loop's, same parameters
     assert uniform["loop2_entropy"] == uniform["entropy"] and uniform["loop1_weight"] == 0.5
     assert not any(key.startswith("loop1") for key in last)
+
+
+@pytest.mark.parametrize("norm_between_loops", [True, False])
+def test_loop_hidden_is_the_head_input_of_a_model_that_stops_there(norm_between_loops):
+    """ModelOutput.loop_hidden[t] == the LM-head input of the (t + 1)-loop budget, also for a
+    family without a norm between loops (<= 1e-6 fp32)."""
+    cfg = LoopedConfig.from_hf_dict(
+        tiny_hf_config("nanbeige", num_hidden_layers=1, skip_loop_final_norm=not norm_between_loops)
+    )
+    model = LoopedLM(cfg, rngs=nnx.Rngs(0))
+    model.final_norm[...] = 1.7 * model.final_norm[...]  # a second norm would show
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 7)))
+    loop_hidden = model.forward(ids, return_loops=True).loop_hidden
+    for t in range(cfg.num_loops):
+        budget = model.forward(ids, num_loops=t + 1).hidden
+        assert float(jnp.abs(loop_hidden[t] - budget).max()) <= 1e-6, t
