@@ -447,9 +447,10 @@ def test_delta_publication(bridge, tmp_path):
 
 def test_xor_delta_publication(bridge):
     """rollout.publish=delta_xor through the engines: changed tensors travel as compressed xor
-    payloads over the committed version (an exponent-only change compresses to almost nothing),
-    the engines serve the new version bit-exactly, and an engine killed afterwards comes back on
-    it by replaying the full publication and the xor delta."""
+    payloads over the committed version (an exponent-only change compresses to almost nothing);
+    a delta that would bring the replay chain above one model's bytes is still sent as a delta,
+    with a full publication of its version staged as the chain's new start; the engines serve it
+    bit-exactly, and an engine killed afterwards comes back on it from the staged publication."""
     client = bridge.client
     client.publish_mode = "delta_xor"
     try:
@@ -457,14 +458,29 @@ def test_xor_delta_publication(bridge):
         assert first.sent_bytes == first.num_bytes and client._base_tensors is not None
         bridge.policies["E"] = _altered(bridge, "A", {"blocks.o_proj": 2.0, "lm_head": 1.5})
         stats = bridge.serve("E")
-        manifest = Manifest.from_dict(client._chain[-1][0])
-        assert manifest.base_version == first.version and "lm_head.weight" in manifest.sent
-        assert manifest.xor and any("o_proj" in n for n in manifest.xor)
-        raw = sum(a.nbytes for n, a in client.hf_tensors(bridge.policy("E")) if n in manifest.sent)
-        assert stats.sent_bytes == manifest.sent_bytes < raw and not stats.fell_back
+        delta = Manifest.from_dict(client._chain[-1][0])
+        assert delta.base_version == first.version and "lm_head.weight" in delta.sent
+        assert delta.xor and any("o_proj" in n for n in delta.xor)
+        raw = sum(a.nbytes for n, a in client.hf_tensors(bridge.policy("E")) if n in delta.sent)
+        assert stats.sent_bytes == delta.sent_bytes < raw and not stats.fell_back
         TIMINGS["xor_delta_sent_of_changed"] = stats.sent_bytes / raw
+
+        # more deltas until the chain's deltas would pass one model: then a rebase
+        scale = {"embed": 1.5, "blocks.q_proj": 1.5, "blocks.up_proj": 1.5, "lm_head": 0.75}
+        chained = delta.sent_bytes
+        for step in range(8):
+            bridge.policies["F"] = _altered(bridge, "E" if step == 0 else "F", scale)
+            stats = bridge.serve("F")
+            assert stats.sent_bytes < stats.num_bytes and not stats.fell_back
+            chained += stats.sent_bytes
+            if chained > stats.num_bytes:
+                break
+        assert chained > stats.num_bytes, chained
+        staged = Manifest.from_dict(client._chain[0][0])  # the rebased chain: F in full
+        assert len(client._chain) == 1 and staged.version == stats.version
+        assert staged.base_version is None and staged.retain
         cursor = client.state()
-        want = bridge.reference_produce("E", cursor, 6)[0]
+        want = bridge.reference_produce("F", cursor, 6)[0]
         client.restore(cursor)
         assert_same_samples(client.produce(6)[0], want)
 

@@ -278,7 +278,9 @@ class RayRolloutClient:
         hashes = tensor_hashes(tensors)
         delta_mode = self.publish_mode in ("delta", "delta_xor")
         full = Manifest.build(policy.version, tensors, hashes=hashes, retain=delta_mode)
-        delta, payloads = self._delta(full, hashes, tensors) if delta_mode else (None, {})
+        delta, payloads, rebase = (
+            self._delta(full, hashes, tensors) if delta_mode else (None, {}, False)
+        )
         self.last_breakdown = {"hf_tensors_s": t_tensors - start}
         self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
         base = tensors if self.publish_mode == "delta_xor" else None
@@ -288,8 +290,11 @@ class RayRolloutClient:
         changed = set(delta.sent)
         sent = [(n, payloads.get(n, a)) for n, a in tensors if n in changed]
         chunks = iter_chunks(sent, self.bucket_bytes)
+        replay = (full, iter_chunks(tensors, self.bucket_bytes)) if rebase else None
         try:
-            return self.publish_prepared(delta, chunks, start=start, hashes=hashes, base=base)
+            return self.publish_prepared(
+                delta, chunks, start=start, hashes=hashes, base=base, replay=replay
+            )
         except PublicationError as e:  # the engines still serve the committed version
             self.publish_fallbacks += 1
             logger.warning(
@@ -307,15 +312,18 @@ class RayRolloutClient:
 
     def _delta(
         self, full: Manifest, hashes: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]
-    ) -> tuple[Manifest | None, dict[str, np.ndarray]]:
+    ) -> tuple[Manifest | None, dict[str, np.ndarray], bool]:
         """The delta of `full` over the committed version: the tensors whose bytes changed, and
         with delta_xor the xor payloads (uint8) of those whose payload is smaller than their raw
-        bytes (the others go raw). None (publish in full) before the first retained publication,
-        when the delta would carry as many bytes as the version (every tensor changed, no xor
-        savings), or when the deltas since the last full publication would carry more bytes than
-        one full publication (they stay alive for engine restarts: at most twice a model)."""
+        bytes (the others go raw); and whether to rebase the replay chain. None (publish in full)
+        before the first retained publication, or when the delta would carry as many bytes as
+        the version (every tensor changed, no xor savings). The chain (the last full publication
+        and the deltas since: what a restarted engine or manager replays) is rebased when its
+        deltas would carry more bytes than one model: the delta is sent, and a full publication
+        of the new version is staged (not sent) as the chain's new start, so at most two models
+        stay staged."""
         if self._hashes is None or self._version is None:
-            return None, {}
+            return None, {}, False
         changed = tuple(n for n in full.tensors if hashes[n] != self._hashes.get(n))
         payloads: dict[str, np.ndarray] = {}
         if self._base_tensors is not None and changed:
@@ -329,9 +337,9 @@ class RayRolloutClient:
         xor = {n: p.nbytes for n, p in payloads.items()} or None
         delta = dataclasses.replace(full, base_version=self._version, sent=changed, xor=xor)
         chained = sum(Manifest.from_dict(m).sent_bytes for m, _, _ in self._chain[1:])
-        if delta.sent_bytes >= full.total_bytes or chained + delta.sent_bytes > full.total_bytes:
-            return None, {}
-        return delta, payloads
+        if delta.sent_bytes >= full.total_bytes:
+            return None, {}, False
+        return delta, payloads, chained + delta.sent_bytes > full.total_bytes
 
     def publish_prepared(
         self,
@@ -343,40 +351,40 @@ class RayRolloutClient:
         start: float | None = None,
         hashes: dict[str, bytes] | None = None,
         base: list[tuple[str, np.ndarray]] | None = None,
+        replay: tuple[Manifest, Iterable[bytes]] | None = None,
     ) -> PublishStats:
         """Ship prepared buckets and run the transaction on every engine (count / digest default
         to the manifest's; tests pass others). Refusal -> PublicationError; the engines keep
         serving the previous version. `hashes`: the version's tensor_hashes, and `base` its host
         tensors (delta_xor), kept as the base of the next delta when the manifest asks the
-        engines to retain it."""
+        engines to retain it. `replay`: a full publication of the same version (manifest,
+        buckets), staged as the new start of the replay chain (see _delta), not sent."""
         start = time.perf_counter() if start is None else start
         t_send = time.perf_counter()
         version = manifest.version
-        if self.transport == "object_store":
-            sent: list = [ray.put(np.frombuffer(c, np.uint8)) for c in chunks]
-            where = None
-        else:
-            where = self._tmp / "publish" / f"v{version}"
-            shutil.rmtree(where, ignore_errors=True)
-            where.mkdir(parents=True)
-            sent = []
-            for i, c in enumerate(chunks):
-                path = where / f"chunk-{i:05d}.safetensors"
-                path.write_bytes(c)
-                sent.append(str(path))
+        sent, where = self._stage(chunks, f"v{version}")
+        staged = None
+        if replay is not None:
+            staged_chunks, staged_dir = self._stage(replay[1], f"v{version}-full")
+            staged = (replay[0].to_dict(), staged_chunks, self.transport)
         t_commit = time.perf_counter()
         args = (manifest.to_dict(), sent, self.transport)
         try:
-            engine_stats = self._call(f"publication {version}", "publish", *args, count, digest)
+            engine_stats = self._call(
+                f"publication {version}", "publish", *args, count, digest, staged
+            )
         except PublicationError as e:
-            if where is not None:
-                shutil.rmtree(where, ignore_errors=True)
+            for d in (where, staged and staged_dir):
+                if d is not None:
+                    shutil.rmtree(d, ignore_errors=True)
             raise PublicationError(error_text(e)) from None
         # count / digest: the manifest's (they matched)
-        if manifest.base_version is None:  # a full publication starts a new chain
-            old_dirs, self._chain, self._dirs = self._dirs, [args], []
+        if manifest.base_version is None or staged is not None:  # a new chain
+            old_dirs, self._chain, self._dirs = self._dirs, [staged or args], []
             for old in old_dirs:
                 shutil.rmtree(old, ignore_errors=True)
+            if staged is not None and staged_dir is not None:
+                self._dirs.append(staged_dir)
         else:
             self._chain.append(args)
         if where is not None:
@@ -413,6 +421,21 @@ class RayRolloutClient:
             self.transport,
         )
         return stats
+
+    def _stage(self, chunks: Iterable[bytes], name: str) -> tuple[list, Path | None]:
+        """Buckets where the engines can fetch them: object refs, or files under a directory
+        (returned, for the disk transport)."""
+        if self.transport == "object_store":
+            return [ray.put(np.frombuffer(c, np.uint8)) for c in chunks], None
+        where = self._tmp / "publish" / name
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+        paths = []
+        for i, c in enumerate(chunks):
+            path = where / f"chunk-{i:05d}.safetensors"
+            path.write_bytes(c)
+            paths.append(str(path))
+        return paths, where
 
     # ---- the producer surface ----
     def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:

@@ -244,12 +244,15 @@ class EngineGroup:
         transport: str,
         count: int | None = None,
         digest: str | None = None,
+        replay: tuple | None = None,
     ) -> list[PublishStats]:
         """Run the transaction on every engine; commit only if all of them committed. An engine
         that dies (or hangs) inside it is restarted on the committed policy and sent the
         publication again, so every engine ends on the new version; if that fails too (restart
         limit), or an engine refuses, the engines that committed are restarted on the previous
-        version: all of them end on one version, the one `version` names."""
+        version: all of them end on one version, the one `version` names. `replay`: a full
+        publication (manifest dict, chunks, transport) of the same version that engines started
+        later replay instead of the chain so far (the publisher rebases the chain; not sent)."""
         args = (manifest, chunks, transport, count, digest)
         try:
             results = self._run(
@@ -271,7 +274,9 @@ class EngineGroup:
             if isinstance(err, PublicationError):
                 raise PublicationError(f"engine {i} refused: {error_text(err)}")
             raise err
-        if manifest.get("base_version") is None:  # count / digest: the manifest's (they matched)
+        if replay is not None:
+            self._chain = [tuple(replay)]
+        elif manifest.get("base_version") is None:  # count / digest: the manifest's (they matched)
             self._chain = [args[:3]]
         else:
             self._chain.append(args[:3])

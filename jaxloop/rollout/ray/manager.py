@@ -60,8 +60,10 @@ class RolloutManagerProcess:
     def expected_specs(self) -> dict:
         return self.group.expected_specs()
 
-    def publish(self, manifest, chunks, transport, count=None, digest=None) -> list[PublishStats]:
-        return self.group.publish_chunks(manifest, chunks, transport, count, digest)
+    def publish(
+        self, manifest, chunks, transport, count=None, digest=None, replay=None
+    ) -> list[PublishStats]:
+        return self.group.publish_chunks(manifest, chunks, transport, count, digest, replay)
 
     def version(self) -> int | None:
         return self.group.version
