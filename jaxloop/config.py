@@ -154,6 +154,7 @@ def base_config() -> ml_collections.ConfigDict:
     # loop only)
     c.algo.loop_credit = "last"  # or 'uniform' | 'progressive' | 'exit_pdf'
     c.algo.reduction = "seq_mean_token_mean"
+    c.algo.entropy_coef = 0.0  # policy loss - entropy_coef x entropy (exploration bonus)
     c.algo.depth_as_action = False  # rollout.early_exit=sample: the exit choice joins the ratio
 
     # Device mesh for training and the embedded sampler: ('data', 'fsdp', 'tensor'); -1 takes the
@@ -314,6 +315,8 @@ DESCRIPTIONS = {
     "last loop only) | uniform (w_t = 1/L) | progressive (w_t ~ t + 1) | exit_pdf (Ouro's exit "
     "distribution per token, no gradient through it; needs the exit gate)",
     "algo.reduction": "loss reduction: seq_mean_token_mean | token_mean",
+    "algo.entropy_coef": "exploration bonus: entropy_coef x the policy's entropy is subtracted "
+    "from every token's policy loss (>= 0; 0: off)",
     "algo.depth_as_action": "rollout.early_exit=sample: add the exit choice's log-probability "
     "(the gate's log p at the exit loop) to the token's in every ratio, training the gate",
     "mesh.data": "data-parallel axis size (-1: the remaining devices)",
@@ -641,6 +644,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"optim.name={cfg.optim.name!r}; expected 'adamw' or 'sgd'")
     if cfg.algo.reduction not in ("seq_mean_token_mean", "token_mean"):
         raise UsageError(f"algo.reduction={cfg.algo.reduction!r}")
+    if not cfg.algo.entropy_coef >= 0:
+        raise UsageError(f"algo.entropy_coef must be >= 0 (got {cfg.algo.entropy_coef})")
     check_loop_credit(cfg)
     pack, longest = cfg.learner.pack_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if pack < 0 or 0 < pack < longest:

@@ -180,6 +180,7 @@ def loss_hparams(cfg) -> LossHParams:
         value_clip=opt(a.value_clip),
         reduction=a.reduction,
         value_loss_scale=cfg.critic.loss_scale,
+        entropy_coef=a.entropy_coef,
     )
 
 

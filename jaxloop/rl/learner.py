@@ -784,6 +784,8 @@ class Learner:
                     old_kl=None if stats.old_kl is None else stats.old_kl[t],
                 )
                 loss_t, metrics = loss_fn(inputs, hp)
+                if hp.entropy_coef:
+                    loss_t = loss_t - hp.entropy_coef * stats.entropy[t]
                 per_token = per_token + weights[t] * loss_t
                 loop_metrics[f"loop{t + 1}_entropy"] = stats.entropy[t]
                 loop_metrics[f"loop{t + 1}_kl_to_last"] = stats.kl_to_last[t]
@@ -817,6 +819,8 @@ class Learner:
                 old_kl=old_kl,
             )
             per_token, metrics = loss_fn(inputs, hp)
+            if hp.entropy_coef:  # exploration bonus (the entropy is differentiable)
+                per_token = per_token - hp.entropy_coef * entropy
             metrics = dict(metrics)
             metrics["approx_kl"] = kl_penalty(lp, x["old_logprobs"], "k3")
             metrics["entropy"] = entropy

@@ -82,6 +82,8 @@ class LossHParams:
     value_loss_scale: factor of the value loss (``value_loss(scale=...)``; 1 = the reference
       stack's loss, 0.5 = the 1/2-squared-error convention).
     reduction: 'seq_mean_token_mean' | 'token_mean' (see ``reduce_loss``).
+    entropy_coef: the learner subtracts entropy_coef x the token's policy entropy from every
+      policy loss token (an exploration bonus; 0 = off).
     """
 
     clip_eps: float = 0.2
@@ -96,6 +98,7 @@ class LossHParams:
     value_clip: float | None = 0.2
     reduction: str = "seq_mean_token_mean"
     value_loss_scale: float = 1.0
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if not self.value_loss_scale > 0:

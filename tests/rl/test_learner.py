@@ -57,6 +57,7 @@ class _Run:
         updates=0,
         loop_credit="last",
         model_cfg=CFG,
+        entropy_coef=0.0,
     ):
         algo = get_algorithm(name)
         actor = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
@@ -71,7 +72,12 @@ class _Run:
             pack_tokens=pack_tokens,
             loop_credit=loop_credit,
         )
-        hp = LossHParams(kl_coef=kl_coef, flow_delta=flow_delta, value_loss_scale=value_loss_scale)
+        hp = LossHParams(
+            kl_coef=kl_coef,
+            flow_delta=flow_delta,
+            value_loss_scale=value_loss_scale,
+            entropy_coef=entropy_coef,
+        )
         tx = tx or optax.sgd(0.5)
         self.learner = Learner(
             nnx.graphdef(actor),
@@ -238,3 +244,17 @@ def test_value_loss_scale_reaches_the_critic_step():
     assert one["value_loss"] > 0
     np.testing.assert_allclose(half["value_loss"], 0.5 * one["value_loss"], rtol=1e-6)
     np.testing.assert_allclose(half["critic_grad_norm"], 0.5 * one["critic_grad_norm"], rtol=1e-5)
+
+
+def test_entropy_coef_is_the_only_gradient_when_advantages_vanish():
+    """Equal scores: GRPO's advantages are 0, so without the bonus nothing moves; with
+    algo.entropy_coef the step follows the entropy's gradient and the entropy rises."""
+    arrays = _arrays()
+    arrays.scores[:] = 1.0
+    flat = _Run("grpo", 8)
+    assert flat.update(arrays)["grad_norm"] == 0.0
+    bonus = _Run("grpo", 8, entropy_coef=0.5)
+    before = bonus.update(arrays)
+    assert before["grad_norm"] > 0.0
+    after = bonus.update(arrays)
+    assert after["entropy"] > before["entropy"]
