@@ -232,6 +232,12 @@ CATALOGUE = [
         dry=True,
     ),
     Row(
+        "negative entropy bonus",
+        _args("--config.algo.entropy_coef=-0.1"),
+        "algo.entropy_coef must be >= 0",
+        dry=True,
+    ),
+    Row(
         "negative rollout staleness",
         _args("--config.rollout.max_staleness=-1"),
         "rollout.max_staleness must be >= 0",
