@@ -57,7 +57,11 @@ def run(k: int, repeat: int, args, extra: list[str]) -> dict:
         "engine_idle": statistics.mean(r["engine_idle_fraction"] for r in steady),
         "learner_idle": statistics.mean(r["learner_idle_fraction"] for r in steady),
         "staleness_mean": statistics.mean(r["staleness_mean"] for r in rows),
-        "eval_curve": [round(r.get("eval_reward", float("nan")), 4) for r in rows],
+        "eval_curve": [
+            [r["update"], round(r["eval_reward"], 4)]
+            for r in rows
+            if r.get("eval_reward") is not None
+        ],
         "final_eval_reward": rows[-1].get("final_eval_reward"),
         # rollout.publish=delta: the bytes sent over the run against full publications
         "publish_bytes": sum(r.get("publish_bytes") or 0.0 for r in rows),
