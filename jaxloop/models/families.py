@@ -1,13 +1,11 @@
-"""Which HF name table a config uses."""
+"""Which HF name table a config uses (the tables live in jaxloop/families)."""
 
 from __future__ import annotations
 
-from jaxloop.models import nanbeige, ouro
+from jaxloop import families
+from jaxloop.families.tables import TensorMap
 from jaxloop.models.config import LoopedConfig
-from jaxloop.models.hf_mapping import TensorMap
 
 
 def hf_table(cfg: LoopedConfig, role: str = "actor") -> list[TensorMap]:
-    backbone = ouro.BACKBONE_TABLE if cfg.family == "ouro" else nanbeige.BACKBONE_TABLE
-    head = nanbeige.LM_HEAD if role == "actor" else nanbeige.VALUE_HEAD
-    return backbone + head
+    return families.hf_table(cfg.family, role)
