@@ -9,9 +9,9 @@ from the single integer in that name. `model.norm` is applied after every loop (
 `skip_loop_final_norm=true`: after the last only). Ouro blocks use sandwich norms, run all
 `total_ut_steps` steps, and keep the early-exit gate's weights loaded but unused (full depth).
 
-`load_weights` consumes the HF tensor names of jaxloop's tables (jaxloop/models/nanbeige.py,
-ouro.py), mapping q/k/v onto the fused qkv_proj and gate/up onto gate_up_proj, and refuses
-unknown names.
+`load_weights` consumes the HF tensor names and shapes of jaxloop's family tables
+(jaxloop/families/nanbeige.py, ouro.py), mapping q/k/v onto the fused qkv_proj and gate/up onto
+gate_up_proj, and refuses unknown names.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from jaxloop import families
+
 # (fused vLLM parameter, HF name part, shard id)
 STACKED_PARAMS = [
     (".qkv_proj", ".q_proj", "q"),
@@ -57,70 +59,36 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class LoopedArch:
-    """What differs between the families, read from the HF config."""
+    """What differs between the families, read from the HF config by the family's own reader
+    (jaxloop/families), so the plugin and the JAX model agree on every flag, name and shape."""
 
     def __init__(self, config, family: str):
+        hf = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        fields = families.read_hf_config(hf)
+        if fields["family"] != family:
+            raise ValueError(f"{family}: config.json reads as family {fields['family']!r}")
         self.family = family
-        self.vocab_size = int(config.vocab_size)
-        self.hidden_size = int(config.hidden_size)
-        self.intermediate_size = int(config.intermediate_size)
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        head_dim = getattr(config, "head_dim", None) or getattr(config, "kv_channels", None)
-        self.head_dim = int(head_dim or self.hidden_size // self.num_heads)
-        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.vocab_size = fields["vocab_size"]
+        self.hidden_size = fields["hidden_size"]
+        self.intermediate_size = fields["intermediate_size"]
+        self.num_layers = fields["num_layers"]
+        self.num_heads = fields["num_heads"]
+        self.num_kv_heads = fields["num_kv_heads"]
+        self.head_dim = fields["head_dim"]
+        self.eps = fields["rms_norm_eps"]
+        self.num_loops = fields["num_loops"]
+        self.sandwich_norm = fields.get("sandwich_norm", False)
+        self.early_exit_gate = fields.get("early_exit_gate", False)
+        self.norm_between_loops = fields.get("norm_between_loops", True)
         self.max_position = int(getattr(config, "max_position_embeddings", 8192))
         rope = getattr(config, "rope_parameters", None)
         if not rope:
-            rope = {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{family}: rope {rope!r} is not implemented (only default)")
+            rope = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
         self.rope_parameters = dict(rope)
-        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-            if getattr(config, key, False):
-                raise ValueError(f"{family}: {key}=true is not implemented")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"{family}: hidden_act={config.hidden_act!r} is not implemented")
-        if family == "ouro":
-            self.num_loops = int(config.total_ut_steps)
-            self.sandwich_norm = True
-            self.early_exit_gate = True
-            self.norm_between_loops = True
-        else:
-            for key in ("enable_double_loop_split", "loop_share_kv"):
-                if getattr(config, key, False):
-                    raise ValueError(f"{family}: {key}=true is not implemented")
-            self.num_loops = int(getattr(config, "num_loops", 1) or 1)
-            self.sandwich_norm = False
-            self.early_exit_gate = False
-            self.norm_between_loops = not bool(getattr(config, "skip_loop_final_norm", False))
 
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF tensor this model loads, with its full (unsharded) shape."""
-        e, m, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, e)}
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (e,)
-            shapes[p + "self_attn.q_proj.weight"] = (q, e)
-            shapes[p + "self_attn.k_proj.weight"] = (kv, e)
-            shapes[p + "self_attn.v_proj.weight"] = (kv, e)
-            shapes[p + "self_attn.o_proj.weight"] = (e, q)
-            shapes[p + "post_attention_layernorm.weight"] = (e,)
-            shapes[p + "mlp.gate_proj.weight"] = (m, e)
-            shapes[p + "mlp.up_proj.weight"] = (m, e)
-            shapes[p + "mlp.down_proj.weight"] = (e, m)
-            if self.sandwich_norm:
-                shapes[p + "input_layernorm_2.weight"] = (e,)
-                shapes[p + "post_attention_layernorm_2.weight"] = (e,)
-        shapes["model.norm.weight"] = (e,)
-        if self.early_exit_gate:
-            shapes["model.early_exit_gate.weight"] = (1, e)
-            shapes["model.early_exit_gate.bias"] = (1,)
-        shapes["lm_head.weight"] = (v, e)
-        return shapes
+        """Every HF tensor this model loads, with its full (unsharded) shape (the family table)."""
+        return families.hf_tensor_shapes(self, "actor")
 
 
 class LoopedSelfAttention(nn.Module):
