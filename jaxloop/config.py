@@ -673,6 +673,16 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EARLY_EXIT_MODES = ("none", "threshold", "sample")
 
 
+def has_exit_gate(cfg: ml_collections.ConfigDict, model_config=None) -> bool | None:
+    """Whether the model has Ouro's exit gate: from `model_config` once known, from the family of
+    the built-in model before; None while an HF / checkpoint / preset model is not read yet."""
+    if model_config is not None:
+        return model_config.early_exit_gate
+    if cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset:
+        return None
+    return cfg.model.family == "ouro"
+
+
 def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
     """rollout.early_exit, rollout.exit_threshold and algo.depth_as_action. The exit gate is
     checked on the built-in family here and on `model_config` (an HF / preset model) once known."""
@@ -700,11 +710,7 @@ def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
             f"rollout.early_exit={mode} with learner.pack_tokens > 0 is not supported: the packed "
             "rows carry no per-token depths"
         )
-    builtin = not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset)
-    gate = model_config.early_exit_gate if model_config is not None else None
-    if gate is None and builtin:
-        gate = cfg.model.family == "ouro"
-    if gate is False:
+    if has_exit_gate(cfg, model_config) is False:
         raise UsageError(
             f"rollout.early_exit={mode} needs a model with an exit gate (Ouro); this model has none"
         )
@@ -771,11 +777,7 @@ def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None
         )
     if credit != "exit_pdf":
         return
-    builtin = not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset)
-    gate = model_config.early_exit_gate if model_config is not None else None
-    if gate is None and builtin:
-        gate = cfg.model.family == "ouro"
-    if gate is False:
+    if has_exit_gate(cfg, model_config) is False:
         raise UsageError(
             "algo.loop_credit=exit_pdf needs a model with an exit gate (Ouro); this model has none"
         )
