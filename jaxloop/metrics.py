@@ -31,6 +31,15 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PROGRESS_KEYS = ("reward_mean", "eval_reward")
+# Prefixes of metrics that measure time, not the computation: two runs of the same config and
+# seed agree on every other metric bit for bit (resume and chaos checks leave these out).
+TIMING_METRICS = (
+    "time_",
+    "tokens_per_s",
+    "publish_gb_per_s",
+    "engine_idle_",
+    "learner_idle_",
+)
 
 
 def _to_float(key: str, value: Any) -> float | None:

@@ -63,7 +63,8 @@ ALGORITHMS = ("ppo", "grpo", "dppo", "flow_dppo")
 KINDS = ("time", "restore", "update", "produce", "metrics", "save", "commit", "delete", "publish")
 SLEEP = 0.5  # seconds the runner sleeps in the widened windows
 SLEEPERS = ("update", "metrics", "commit", "delete", "deleting", "publish")
-VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s")
+sys.path.insert(0, str(REPO))
+from jaxloop.metrics import TIMING_METRICS as VOLATILE  # noqa: E402
 
 # A tiny model and batch (divisible by 8 devices), a dense reward so every update moves the
 # parameters, checkpoints every 2 updates (a kill between them loses an update that is redone).

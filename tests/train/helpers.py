@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxloop.metrics import TIMING_METRICS
+
 # A small model and batch for tests that only need the loop to run.
 TINY = (
     "--config.model.hidden_size=32",
@@ -19,7 +21,7 @@ TINY = (
     "--config.progress=false",
 )
 # Metrics that measure time, not the computation: excluded from bitwise comparisons.
-VOLATILE = ("time_", "tokens_per_s", "publish_gb_per_s", "engine_idle_", "learner_idle_")
+VOLATILE = TIMING_METRICS
 
 
 def train_process(run_dir, config: str, *overrides: str, env=None, timeout: int = 600):
