@@ -389,13 +389,13 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
         step = self.checkpointer.latest_step()
-        cursor, self.ahead = None, []
+        cursor, ahead = None, []
         if step is not None:
             self.state, extra = self.checkpointer.restore(
                 step, self.training.abstract_state(), self.training.shardings
             )
             cursor = extra["data_cursor"]
-            self.ahead = extra.get("batches_ahead", [])
+            ahead = extra.get("batches_ahead", [])
         else:
             self.state = self.training.fresh_state()
             if self.is_main:
@@ -421,7 +421,7 @@ class Trainer:
             cfg.total_updates,
             background=cfg.rollout.engine != "jax",
         )
-        self.pipeline.restore(self.ahead)
+        self.pipeline.restore(ahead)
         if cfg.rollout.max_staleness and self.algo.policy_loss != "decoupled_ppo" and self.is_main:
             print(
                 f"warning: rollout.max_staleness={cfg.rollout.max_staleness} with "

@@ -138,6 +138,13 @@ def unpack_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return flat[index]
 
 
+def selected_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The targets' log-probs under log_softmax(logits) and that distribution's entropy."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    selected = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return selected, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
 def input_token_stats(
     graphdef,
     params,
@@ -174,9 +181,7 @@ def input_token_stats(
 
     def stats(h, t, oh):
         logits = project(h, lm_head) / temperature
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        selected = jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        selected, entropy = selected_and_entropy(logits, t)
         kl = None if oh is None else categorical_kl(project(oh, old_head) / temperature, logits)
         return selected, entropy, kl
 
@@ -273,38 +278,24 @@ def loop_token_stats(
     turn under remat, so the backward pass recomputes them loop by loop as well; with chunk > 0
     no [B, T, V] array exists, for any loop."""
     input_ids, targets, attention_mask, positions, segment_ids = inputs
-    model = nnx.merge(graphdef, params)
-    out = model.forward(
-        input_ids,
-        positions,
-        attention_mask,
-        head=False,
-        return_loops=True,
-        segment_ids=segment_ids,
-        depths=depths,
-    )
+
+    def loops_of(p):  # the model of `p` and its per-loop LM-head inputs
+        m = nnx.merge(graphdef, p)
+        kwargs = dict(head=False, return_loops=True, segment_ids=segment_ids, depths=depths)
+        return m, m.forward(input_ids, positions, attention_mask, **kwargs)
+
+    model, out = loops_of(params)
     cdt = jnp.dtype(model.config.compute_dtype)
     lm_head = model.lm_head[...].astype(cdt)
     old_hidden = old_head = None
     if old_params is not None:
-        old = nnx.merge(graphdef, old_params)
-        old_out = old.forward(
-            input_ids,
-            positions,
-            attention_mask,
-            head=False,
-            return_loops=True,
-            segment_ids=segment_ids,
-            depths=depths,
-        )
+        old, old_out = loops_of(old_params)
         old_hidden = jax.lax.stop_gradient(old_out.loop_hidden)
         old_head = jax.lax.stop_gradient(old.lm_head[...].astype(cdt))
 
     def one_loop(h, t, oh, last_logits):  # one loop's [B, c, E] -> four [B, c]
         logits = project(h, lm_head) / temperature
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        selected = jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        selected, entropy = selected_and_entropy(logits, t)
         kl = None if oh is None else categorical_kl(project(oh, old_head) / temperature, logits)
         return selected, entropy, kl, categorical_kl(last_logits, logits)
 
