@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
-from jaxloop.models.looped import LoopedLM
+from jaxloop.models.looped import LoopedLM, project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
@@ -68,6 +68,22 @@ def exit_step(out, cache_index, depths: jax.Array):
     return logits[0], cache.replace(k=fill(cache.k), v=fill(cache.v))
 
 
+def loop_head_logits(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:
+    """Each loop's float32 logits [L, B, V] of the last position of `loop_hidden` [L, B, S, E]
+    (`ModelOutput.loop_hidden`): the LM head applied as the trainer's per-loop recompute
+    applies it (`learner.loop_token_stats`), so both mean the same by loop t's logits."""
+    lm_head = model.lm_head[...].astype(jnp.dtype(model.config.compute_dtype))
+    return jax.vmap(lambda h: project(h, lm_head))(loop_hidden[:, :, -1:])[:, :, 0]
+
+
+def exited_loop_logits(loop_logits: jax.Array, depths: jax.Array) -> jax.Array:
+    """Per-loop logits [L, B, V] of tokens that exit at `depths` [B]: entry t is loop
+    min(t + 1, depth)'s (loops >= depth repeat the exit loop), as the trainer's replay
+    (forward(depths=, return_loops=True)) gives them."""
+    source = jnp.minimum(jnp.arange(loop_logits.shape[0])[:, None], (depths - 1)[None, :])
+    return jnp.take_along_axis(loop_logits, source[:, :, None], axis=0)
+
+
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
@@ -94,7 +110,8 @@ def filter_logprobs(logprobs: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling_key", "cache_len")
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "sampling_key", "cache_len", "loop_logprobs"),
 )
 def _generate(
     graphdef,
@@ -107,7 +124,11 @@ def _generate(
     max_new_tokens: int,
     sampling_key: tuple,
     cache_len: int,
+    loop_logprobs: bool = False,
 ):
+    """Returns tokens, log-probs, depths and exit log-probs [B, max_new_tokens]; with
+    `loop_logprobs` also each token's log-prob under every loop's logits [L, B, max_new_tokens]
+    (else None; the program without them is the one it always was)."""
     temperature, top_p, top_k, greedy, early_exit, exit_threshold = sampling_key
     model = nnx.merge(graphdef, state)
     batch = prompt_ids.shape[0]
@@ -115,7 +136,12 @@ def _generate(
     cache = cache.replace(
         k=shd.constrain(cache.k, CACHE_AXES), v=shd.constrain(cache.v, CACHE_AXES)
     )
-    out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
+    if loop_logprobs:  # only the last position's loop logits: no [L, B, S, V]
+        out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache, return_loops=True)
+        last_loop_logits = loop_head_logits(model, out.loop_hidden)
+    else:
+        out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
+        last_loop_logits = None
     last_logits = out.logits[:, -1]
     keys = jax.vmap(jax.random.key)(seeds)
 
@@ -133,13 +159,21 @@ def _generate(
     exit_keys = jax.vmap(lambda k: jax.random.fold_in(k, EXIT_KEY_SALT))(keys)
     loops = model.config.num_loops
 
+    def loop_pick(loop_logits, token):  # [L, B]: the token's log-prob under each loop's
+        lp = process_logits(loop_logits, temperature)
+        return jnp.take_along_axis(lp, token[None, :, None], axis=-1)[..., 0]
+
     def decode(token, cache, step):
-        """The next logits [B, V] after `token`, its exit depth [B] and the gate's log p of it."""
+        """The next logits [B, V] after `token`, its exit depth [B], the gate's log p of it and
+        (with loop_logprobs, else None) the next per-loop logits [L, B, V]."""
         ones = jnp.ones((batch, 1), jnp.bool_)
         if early_exit == "none":
-            out = model.forward(token[:, None], attention_mask=ones, cache=cache)
+            out = model.forward(
+                token[:, None], attention_mask=ones, cache=cache, return_loops=loop_logprobs
+            )
             full = jnp.full((batch,), loops, jnp.int32)
-            return out.logits[:, -1], out.cache, full, jnp.zeros((batch,), jnp.float32)
+            next_loops = loop_head_logits(model, out.loop_hidden) if loop_logprobs else None
+            return out.logits[:, -1], out.cache, full, jnp.zeros((batch,), jnp.float32), next_loops
         # every loop runs; the exit is decided on the gate's distribution and applied after
         # (a token's own loops before its exit do not depend on where it exits)
         out = model.forward(token[:, None], attention_mask=ones, cache=cache, return_loops=True)
@@ -147,34 +181,45 @@ def _generate(
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(exit_keys)
         depth = exit_depths(probs, early_exit, exit_threshold, step_keys)
         exit_lp = jnp.log(jnp.take_along_axis(probs, (depth - 1)[None], axis=0)[0])
+        next_loops = None
+        if loop_logprobs:  # the exited token's deeper loops are its exit loop, as replayed
+            next_loops = exited_loop_logits(loop_head_logits(model, out.loop_hidden), depth)
         logits, cache = exit_step(out, cache.index, depth)
-        return logits, cache, depth, exit_lp
+        return logits, cache, depth, exit_lp, next_loops
 
     def body(carry):
-        step, cache, logits, tokens, logprobs, depths, exit_lps, done = carry
+        step, cache, logits, loop_logits, tokens, logprobs, loop_lps, depths, exit_lps, done = carry
         token, lp = pick(logits, step)
         token = jnp.where(done, 0, token)
         tokens = tokens.at[:, step].set(token)
         logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, lp))
+        if loop_logprobs:
+            loop_lp = jnp.where(done[None], 0.0, loop_pick(loop_logits, token))
+            loop_lps = loop_lps.at[:, :, step].set(loop_lp)
         done = done | jnp.isin(token, stop_ids)
-        logits, cache, depth, exit_lp = decode(token, cache, step)
+        logits, cache, depth, exit_lp, loop_logits = decode(token, cache, step)
         depths = depths.at[:, step].set(depth)
         exit_lps = exit_lps.at[:, step].set(exit_lp)
-        return step + 1, cache, logits, tokens, logprobs, depths, exit_lps, done
+        carry = (step + 1, cache, logits, loop_logits, tokens, logprobs, loop_lps, depths, exit_lps)
+        return carry + (done,)
 
     tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
     logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
     depths = jnp.full((batch, max_new_tokens), loops, jnp.int32)
     exit_lps = jnp.zeros((batch, max_new_tokens), jnp.float32)
+    loop_lps = None
+    if loop_logprobs:
+        loop_lps = jnp.zeros((loops, batch, max_new_tokens), jnp.float32)
     done = jnp.zeros((batch,), jnp.bool_)
-    carry = (jnp.int32(0), out.cache, last_logits, tokens, logprobs, depths, exit_lps, done)
+    carry = (jnp.int32(0), out.cache, last_logits, last_loop_logits, tokens, logprobs, loop_lps)
+    carry = carry + (depths, exit_lps, done)
     # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
     # already); the last step's forward is wasted work, kept for one uniform compiled body (it
     # also gives the last token its depth)
-    _, _, _, tokens, logprobs, depths, exit_lps, _ = jax.lax.while_loop(
+    _, _, _, _, tokens, logprobs, loop_lps, depths, exit_lps, _ = jax.lax.while_loop(
         lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[-1]), body, carry
     )
-    return tokens, logprobs, depths, exit_lps
+    return tokens, logprobs, depths, exit_lps, loop_lps
 
 
 @dataclasses.dataclass
@@ -299,7 +344,7 @@ class JaxSamplerEngine:
             context = jax.set_mesh(self.mesh)
         loops = sampling.num_loops or self.model.config.num_loops
         with context:
-            tokens, logprobs, depths, exit_lps = _generate(
+            tokens, logprobs, depths, exit_lps, loop_lps = _generate(
                 self._graphdef_for(loops),
                 self._state,
                 place(ids),
@@ -309,9 +354,11 @@ class JaxSamplerEngine:
                 max_new_tokens=sampling.max_new_tokens,
                 sampling_key=key,
                 cache_len=prompt_len + sampling.max_new_tokens,
+                loop_logprobs=bool(sampling.loop_logprobs),
             )
         tokens, logprobs = shd.to_host(tokens), shd.to_host(logprobs)
         depths, exit_lps = shd.to_host(depths), shd.to_host(exit_lps)
+        loop_lps = None if loop_lps is None else shd.to_host(loop_lps)
         stop_set = set(sampling.stop_token_ids)
         samples = []
         for i, r in enumerate(requests):
@@ -328,6 +375,8 @@ class JaxSamplerEngine:
             # response token j ran depths[j] loops (the logits of token j + 1 are of that loop)
             sample.extras["response_depths"] = depths[i, :length].tolist()
             sample.extras["response_exit_logprobs"] = exit_lps[i, :length].tolist()
+            if loop_lps is not None:  # [L][T]: token j's log-prob under loop t's logits
+                sample.extras["loop_logprobs"] = loop_lps[:, i, :length].tolist()
             samples.append(sample)
         return samples
 

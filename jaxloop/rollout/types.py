@@ -23,6 +23,10 @@ class SamplingConfig:
     # (extras['response_exit_logprobs'])
     early_exit: str = "none"
     exit_threshold: float = 0.5
+    # per-loop credit (algo.loop_credit != last): the embedded sampler also records each response
+    # token's log-prob under every loop's logits (extras['loop_logprobs'], [L][T]; loops past a
+    # token's exit depth repeat its exit loop, as the trainer's replay does); vLLM records none
+    loop_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
