@@ -12,6 +12,13 @@ Importing this module is cheap; vLLM (and torch) are imported when a VLLMEngine 
   vocabulary (top-k / top-p filtering is not reflected; greedy: log_softmax(logits)): vLLM runs
   with logprobs_mode='processed_logprobs' and the worker extension takes the log-softmax ahead
   of top-k / top-p filtering (see vllm_models.worker.install_unfiltered_logprobs).
+- Early exit (`sampling.early_exit` threshold | sample, Ouro): the plugin exits each response
+  token at its loop (vllm_models.worker.EarlyExitPlan) and the depths and exit log-probs come
+  back through the worker extension, as `extras['response_depths']` and
+  `extras['response_exit_logprobs']` like the JAX sampler's. vLLM never runs a response's last
+  token through the model (nothing reads its forward: it predicts past the response), so that
+  token reports full depth and exit log-prob 0. Needs enforce_eager=True and no prefix caching
+  (a cached block holding response tokens was computed with their exits).
 
 Not thread-safe: call publish / generate from one thread.
 """
@@ -19,6 +26,7 @@ Not thread-safe: call publish / generate from one thread.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -26,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxloop import families
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, iter_chunks
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
@@ -68,6 +77,10 @@ class VLLMEngine:
         register()
         self.model_dir = str(model_dir)
         self.dtype = dtype
+        self.enforce_eager = bool(llm_kwargs.get("enforce_eager", False))
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        self.num_loops = int(families.read_hf_config(hf_config)["num_loops"])
         self.bucket_bytes = int(bucket_bytes)
         self._llm = LLM(
             model=self.model_dir,
@@ -85,6 +98,7 @@ class VLLMEngine:
             n: (tuple(s), d) for n, (s, d) in replies[0]["expected"].items()
         }
         self._version: int | None = None
+        self._exit_mode: tuple[str, float] = ("none", 1.0)
         self._broken: str | None = None
         self.last_publish: PublishStats | None = None
         self.publish_history: list[PublishStats] = []
@@ -113,9 +127,11 @@ class VLLMEngine:
             return []
         from vllm.inputs import TokensPrompt
 
+        early_exit = self._set_early_exit(sampling)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self._sampling_params(sampling, r.seed) for r in requests]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        exits = self._take_exits() if early_exit else None
         samples = []
         for req, out in zip(requests, outputs, strict=True):
             completion = out.outputs[0]
@@ -127,10 +143,55 @@ class VLLMEngine:
             ]
             if completion.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"request finished with {completion.finish_reason!r}")
-            samples.append(
-                Sample.from_request(req, ids, logprobs, completion.finish_reason, self._version)
+            sample = Sample.from_request(
+                req, ids, logprobs, completion.finish_reason, self._version
             )
+            if exits is not None:
+                depths, exit_lps = self._response_exits(exits, out.request_id, req, len(ids))
+                sample.extras["response_depths"] = depths
+                sample.extras["response_exit_logprobs"] = exit_lps
+            samples.append(sample)
         return samples
+
+    def _set_early_exit(self, sampling: SamplingConfig) -> bool:
+        """Put the engine's early-exit plan in the mode `sampling` asks for; True when it exits."""
+        mode = (sampling.early_exit, float(sampling.exit_threshold))
+        if mode[0] != "none":
+            if not self.enforce_eager or self.enable_prefix_caching:
+                raise ValueError(
+                    f"early_exit={mode[0]} needs a VLLMEngine with enforce_eager=True and "
+                    "enable_prefix_caching=False"
+                )
+        if mode != self._exit_mode:
+            self._rpc_checked("jaxloop_set_early_exit", *mode)
+            self._exit_mode = mode
+        return mode[0] != "none"
+
+    def _take_exits(self) -> dict[str, dict[int, tuple[int, float]]]:
+        # every worker runs the same batch; the first one's record stands for all
+        return self._rpc_checked("jaxloop_take_exits")[0]["exits"]
+
+    def _response_exits(self, exits, request_id: str, req: PromptRequest, length: int):
+        """(depths, exit log-probs) of a response of `length` tokens from the plan's records
+        (keyed by vLLM's internal request id: the external one + '-' + a random suffix)."""
+        record = exits.get(request_id)
+        if record is None:
+            matches = [v for k, v in exits.items() if k.rsplit("-", 1)[0] == request_id]
+            if len(matches) != 1:
+                raise RuntimeError(f"no early-exit record for request {request_id}")
+            record = matches[0]
+        start, loops = len(req.prompt_ids), self.num_loops
+        depths, exit_lps = [], []
+        for j in range(length - 1):
+            if start + j not in record:
+                raise RuntimeError(f"request {request_id}: no exit for response token {j}")
+            depth, lp = record[start + j]
+            depths.append(depth)
+            exit_lps.append(lp)
+        if length:  # the last token never ran (see the module docstring)
+            depths.append(loops)
+            exit_lps.append(0.0)
+        return depths, exit_lps
 
     def close(self) -> None:
         if self._llm is None:

@@ -7,7 +7,13 @@ has its own `Attention` module and therefore its own KV cache. The attention mod
 flat list, `model.loop_attn.{loop * num_layers + layer}`: vLLM derives each cache's layer index
 from the single integer in that name. `model.norm` is applied after every loop (Nanbeige with
 `skip_loop_final_norm=true`: after the last only). Ouro blocks use sandwich norms, run all
-`total_ut_steps` steps, and keep the early-exit gate's weights loaded but unused (full depth).
+`total_ut_steps` steps at full depth unless the worker extension sets an early-exit plan
+(`LoopedModel.exit_plan`, jaxloop_set_early_exit): then a response token exits at the first
+loop whose cumulative exit probability (the gate's distribution) reaches its threshold (the
+configured one, or a seeded uniform draw in 'sample' mode), is frozen from then on, and shows
+the keys / values of its exit loop to every deeper loop's cache (LAST_EXITED, the semantics of
+the JAX replay `forward(depths=)`); prompt tokens run at full depth. Needs eager mode (the plan
+reads the runner's batch on the host).
 
 `load_weights` consumes the HF tensor names and shapes of jaxloop's family tables
 (jaxloop/families/nanbeige.py, ouro.py), mapping q/k/v onto the fused qkv_proj and gate/up onto
@@ -121,12 +127,20 @@ class LoopedSelfAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
 
-    def forward(self, positions, hidden_states, rotary_emb, attn: Attention) -> torch.Tensor:
+    def forward(self, positions, hidden_states, rotary_emb, attn: Attention, exits=None):
+        """exits: None, or (active [T] bool, the keys / values this layer showed at the previous
+        loop or None); a frozen (exited) token shows its previous keys / values again. Returns
+        (output, the keys / values shown) then."""
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotary_emb(positions, q, k)
+        if exits is not None:
+            active, shown = exits
+            if shown is not None:
+                keep = active[:, None]
+                k, v = torch.where(keep, k, shown[0]), torch.where(keep, v, shown[1])
         out, _ = self.o_proj(attn(q, k, v))
-        return out
+        return out if exits is None else (out, (k, v))
 
 
 class LoopedMLP(nn.Module):
@@ -167,15 +181,18 @@ class LoopedDecoderLayer(nn.Module):
             self.input_layernorm_2 = RMSNorm(e, eps=arch.eps)
             self.post_attention_layernorm_2 = RMSNorm(e, eps=arch.eps)
 
-    def forward(self, positions, h, rotary_emb, attn: Attention) -> torch.Tensor:
-        a = self.self_attn(positions, self.input_layernorm(h), rotary_emb, attn)
+    def forward(self, positions, h, rotary_emb, attn: Attention, exits=None):
+        a = self.self_attn(positions, self.input_layernorm(h), rotary_emb, attn, exits)
+        shown = None
+        if exits is not None:
+            a, shown = a
         if self.sandwich_norm:
             a = self.input_layernorm_2(a)
         h = h + a
         m = self.mlp(self.post_attention_layernorm(h))
         if self.sandwich_norm:
             m = self.post_attention_layernorm_2(m)
-        return h + m
+        return h + m if exits is None else (h + m, shown)
 
 
 @support_torch_compile(
@@ -224,10 +241,12 @@ class LoopedModel(nn.Module):
             for i in range(arch.num_layers)
         )
         if arch.early_exit_gate:
-            # Loaded and kept (publication round-trips it) but not used: full depth always.
+            # Used only under an early-exit plan; loaded and published either way.
             self.early_exit_gate = ReplicatedLinear(
                 arch.hidden_size, 1, bias=True, prefix=f"{prefix}.early_exit_gate"
             )
+        # set by the worker extension (vllm_models.worker.EarlyExitPlan); None: full depth
+        self.exit_plan = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -241,6 +260,12 @@ class LoopedModel(nn.Module):
     ) -> torch.Tensor:
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         arch = self.arch
+        if self.exit_plan is not None and self.exit_plan.enabled:
+            thresholds = self.exit_plan.thresholds(positions)  # None: a warm-up (dummy) batch
+            if thresholds is not None:
+                h, depths, exit_logprobs = self.forward_with_exits(positions, h, thresholds)
+                self.exit_plan.record(depths, exit_logprobs)
+                return h
         for loop in range(arch.num_loops):
             for i, layer in enumerate(self.layers):
                 attn = self.loop_attn[loop * arch.num_layers + i]
@@ -248,6 +273,39 @@ class LoopedModel(nn.Module):
             if arch.norm_between_loops or loop == arch.num_loops - 1:
                 h = self.norm(h)
         return h
+
+    def forward_with_exits(self, positions, h, thresholds):
+        """All loops with early exit: token i exits after the first loop t (< the last) whose
+        cumulative exit probability reaches thresholds[i] (inf: never, full depth), as the JAX
+        sampler's exit_depths decides it. Returns (hidden after each token's exit loop [T, E],
+        depths [T] int32 in 1..L, log p of each exit under the gate's distribution [T])."""
+        arch = self.arch
+        loops, n = arch.num_loops, h.shape[0]
+        active = torch.ones(n, dtype=torch.bool, device=h.device)
+        depths = torch.full((n,), loops, dtype=torch.int32, device=h.device)
+        exit_logprobs = torch.zeros(n, dtype=torch.float32, device=h.device)
+        survive = torch.ones(n, dtype=torch.float32, device=h.device)  # prod_{j<t} (1 - lambda_j)
+        cumulative = torch.zeros(n, dtype=torch.float32, device=h.device)
+        shown = [None] * arch.num_layers
+        for loop in range(loops):
+            for i, layer in enumerate(self.layers):
+                attn = self.loop_attn[loop * arch.num_layers + i]
+                out, shown[i] = layer(positions, h, self.rotary_emb, attn, (active, shown[i]))
+                h = torch.where(active[:, None], out, h)
+            h = torch.where(active[:, None], self.norm(h), h)
+            if loop == loops - 1:  # the last loop takes the remaining mass
+                exit_logprobs = torch.where(active, torch.log(survive), exit_logprobs)
+                break
+            gate, _ = self.early_exit_gate(h)
+            lam = torch.sigmoid(gate.float()[:, 0])
+            prob = lam * survive
+            survive = survive * (1.0 - lam)
+            cumulative = cumulative + prob
+            exits = active & (cumulative >= thresholds)
+            depths = torch.where(exits, loop + 1, depths)
+            exit_logprobs = torch.where(exits, torch.log(prob), exit_logprobs)
+            active = active & ~exits
+        return h, depths, exit_logprobs
 
 
 class _LoopedForCausalLM(nn.Module):

@@ -67,6 +67,72 @@ def install_unfiltered_logprobs(sampler) -> None:
     tts._jaxloop_unfiltered = True
 
 
+# folded into a request's seed for its exit draws ('sample' mode), apart from vLLM's token draws
+EXIT_DRAW_SALT = 0xE417
+EXIT_MODES = ("none", "threshold", "sample")
+
+
+class EarlyExitPlan:
+    """Where each token of a forward batch may exit, and what it did (vLLM has no per-token
+    output a model can fill, so the depths go back through collective_rpc: jaxloop_take_exits).
+
+    A token is a response token when its position is at or past its request's prompt length
+    (prompts run at full depth, as the JAX sampler's prefill); it exits at the first loop whose
+    cumulative exit probability reaches `threshold` ('threshold'), or a uniform draw seeded by
+    (request seed, position) ('sample': a draw from the gate's distribution by its inverse CDF).
+    Tokens map to requests through the runner's batch (`input_batch`, `query_start_loc`), which
+    vLLM fills on the host before every forward; the model must run eagerly."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.mode = "none"
+        self.threshold = 1.0
+        self.exits: dict[str, dict[int, tuple[int, float]]] = {}  # request id -> position -> exit
+        self._step = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def thresholds(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Per-token exit thresholds [T] (inf: full depth) of the batch being run; None for a
+        warm-up batch without requests."""
+        batch = self.runner.input_batch
+        num_reqs = batch.num_reqs
+        if num_reqs == 0:
+            self._step = None
+            return None
+        starts = self.runner.query_start_loc.np[: num_reqs + 1]
+        total, n = int(starts[-1]), int(positions.shape[0])
+        if total > n:
+            raise RuntimeError(f"early exit: the batch schedules {total} tokens, forward got {n}")
+        request = np.repeat(np.arange(num_reqs), np.diff(starts))
+        pos = positions[:total].cpu().numpy().astype(np.int64)
+        response = pos >= batch.num_prompt_tokens[:num_reqs][request]
+        out = np.full(n, np.inf, np.float32)
+        if self.mode == "threshold":
+            out[:total][response] = self.threshold
+        else:
+            req_ids = batch.req_ids
+            for k in np.nonzero(response)[0]:
+                seed = self.runner.requests[req_ids[request[k]]].sampling_params.seed
+                if seed is None:
+                    raise RuntimeError("early_exit=sample needs a seed on every request")
+                rng = np.random.default_rng((int(seed), int(pos[k]), EXIT_DRAW_SALT))
+                out[k] = rng.random()
+        self._step = (list(batch.req_ids), request, pos, response)
+        return torch.from_numpy(out).to(positions.device)
+
+    def record(self, depths: torch.Tensor, exit_logprobs: torch.Tensor) -> None:
+        if self._step is None:
+            return
+        req_ids, request, pos, response = self._step
+        d, e = depths.cpu().numpy(), exit_logprobs.cpu().numpy()
+        for k in np.nonzero(response)[0]:
+            self.exits.setdefault(req_ids[request[k]], {})[int(pos[k])] = (int(d[k]), float(e[k]))
+        self._step = None
+
+
 def _reply(ok: bool = True, error: str | None = None, **extra) -> dict:
     return {"ok": ok, "error": error, **extra}
 
@@ -109,6 +175,30 @@ class JaxloopWorkerExtension:
         except Exception as e:  # the model may now hold a mix of versions
             return _reply(False, f"loading version {version} failed: {e!r}", fatal=True)
         return _reply(load_seconds=time.perf_counter() - start)
+
+    def jaxloop_set_early_exit(self, mode: str, threshold: float) -> dict:
+        """Serve every following request with early exit `mode` (EXIT_MODES), dropping what
+        was recorded of earlier ones."""
+        inner = self.model_runner.get_model().model
+        if mode not in EXIT_MODES:
+            return _reply(False, f"early_exit={mode!r}; expected one of {'/'.join(EXIT_MODES)}")
+        if mode != "none" and not inner.arch.early_exit_gate:
+            return _reply(False, f"early_exit={mode} needs a model with an exit gate (Ouro)")
+        plan = getattr(self, "_jaxloop_exit_plan", None)
+        if plan is None:
+            plan = self._jaxloop_exit_plan = EarlyExitPlan(self.model_runner)
+            inner.exit_plan = plan
+        plan.mode, plan.threshold, plan.exits = mode, float(threshold), {}
+        return _reply()
+
+    def jaxloop_take_exits(self) -> dict:
+        """{request id: {position: (depth, exit log-prob)}} of every response token run since
+        the last call (vLLM's internal request ids), and forget them."""
+        plan = getattr(self, "_jaxloop_exit_plan", None)
+        exits = {} if plan is None else plan.exits
+        if plan is not None:
+            plan.exits = {}
+        return _reply(exits=exits)
 
     def jaxloop_abort(self) -> dict:
         self._jaxloop_receiver.abort()
