@@ -1,18 +1,23 @@
 """Policy publication cost, stage by stage, for a configurable-size looped model.
 
-    python scripts/bench_publish.py [--layers 2] [--vocab 32000] [--bucket-mb 256] [--ray]
+    python scripts/bench_publish.py [--layers 2] [--vocab 32000] [--bucket-mb 256] [--repeats 3]
     python scripts/bench_publish.py --full nanbeige4.2-3b --ray      # GPU machine: 8.3 GB
 
 Stages (the same code path the trainer and engines use): trainer params -> HF-named host tensors
-through the family mapping table; manifest digest; bucketed serialisation; receiving engine:
-deserialise + verify count / shapes / dtypes / digest; transports: Ray object store to an actor
-on this node (with --ray), safetensors files on disk. Prints a table and one JSON line.
+through the family mapping table, naively (`hf_tensors`: one pageable `np.asarray` per tensor,
+then `tensor_hashes` in the manifest) and through `HostStaging` (the publisher's reused host
+buffers, bucketed, each bucket hashed while the next copies): its first publication (buffers
+allocated) and later ones (reused; its device -> host copy and the wait for the last digests);
+bucketed serialisation; receiving engine: deserialise + verify count / shapes / dtypes / digest;
+transports: Ray object store to an actor on this node (with --ray), safetensors files on disk.
+Repeated stages report the median of --repeats. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -23,15 +28,16 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config  # noqa: E402
-from jaxloop.models.families import hf_table  # noqa: E402
 from jaxloop.models.hf_io import hf_tensor_shapes  # noqa: E402
-from jaxloop.models.hf_mapping import iter_hf_tensors  # noqa: E402
+from jaxloop.rollout.api import Policy  # noqa: E402
+from jaxloop.rollout.policy import hf_tensors  # noqa: E402
 from jaxloop.rollout.publication import (  # noqa: E402
     Manifest,
     PublicationReceiver,
     dtype_name,
     make_chunks,
 )
+from jaxloop.rollout.staging import HostStaging  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
 
@@ -55,6 +61,10 @@ def build_model(args) -> LoopedLM:
     return LoopedLM(cfg, rngs=nnx.Rngs(0))
 
 
+def staging_backend(staged) -> str:
+    return staged.stats["staging_backend"]
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -68,8 +78,13 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each repeated stage")
+    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "torch", "torch_pinned"))
     ap.add_argument("--ray", action="store_true", help="also time the Ray object-store path")
     args = ap.parse_args()
+    if args.repeats < 1:
+        print(f"--repeats {args.repeats}: must be at least 1", file=sys.stderr)
+        return 2
 
     model = build_model(args)
     cfg = model.config
@@ -78,10 +93,33 @@ def main() -> int:
         name: (shape, dtype_name(jax.numpy.dtype("bfloat16")))
         for name, shape in hf_tensor_shapes(cfg).items()
     }
+    policy = Policy(nnx.state(model), 1, cfg)
+    engine_dtypes = {name: dtype for name, (_, dtype) in expected.items()}
     rows = {}
-    tensors, rows["to_hf_host_tensors"] = timed(lambda: list(iter_hf_tensors(model, hf_table(cfg))))
-    nbytes = sum(a.nbytes for _, a in tensors)
-    manifest, rows["manifest_digest"] = timed(lambda: Manifest.build(1, tensors))
+
+    def median_of_runs(fn):
+        runs = [timed(fn) for _ in range(args.repeats)]
+        return runs[-1][0], statistics.median(sec for _, sec in runs)
+
+    naive, rows["naive_hf_tensors"] = median_of_runs(lambda: hf_tensors(policy, engine_dtypes))
+    nbytes = sum(a.nbytes for _, a in naive)
+    manifest, rows["naive_manifest_digest"] = median_of_runs(lambda: Manifest.build(1, naive))
+    rows["naive_total"] = rows["naive_hf_tensors"] + rows["naive_manifest_digest"]
+    naive.clear()  # the naive host copies go before the staging buffers come
+
+    staging = HostStaging(args.bucket_mb * 2**20, backend=args.backend)
+    staged, rows["staged_first"] = timed(lambda: staging.stage(policy, engine_dtypes))
+    reused = [staging.stage(policy, engine_dtypes).stats for _ in range(args.repeats)]
+    for row, key in (
+        ("staged_reused", "stage_s"),
+        ("staged_device_to_host", "stage_device_to_host_s"),
+        ("staged_digest_wait", "stage_digest_wait_s"),
+    ):
+        rows[row] = statistics.median(stats[key] for stats in reused)
+    staged = staging.stage(policy, engine_dtypes)
+    tensors = staged.tensors
+    if Manifest.build(1, tensors, hashes=staged.hashes).digest != manifest.digest:
+        raise SystemExit("staged tensors differ from hf_tensors: a bug in HostStaging")
     chunks, rows["serialize_buckets"] = timed(lambda: make_chunks(tensors, args.bucket_mb * 2**20))
 
     def receive(version, parts):
@@ -133,19 +171,22 @@ def main() -> int:
         ray.shutdown()
 
     end_to_end = (
-        rows["to_hf_host_tensors"]
-        + rows["manifest_digest"]
+        rows["staged_reused"]  # host tensors and their digests, as RayRolloutClient.publish
         + rows["serialize_buckets"]
         + rows.get("ray_object_store_to_actor", rows["engine_receive_verify"])
     )
     rows["end_to_end"] = end_to_end
+    gb_per_s = {stage: nbytes / max(sec, 1e-9) / 1e9 for stage, sec in rows.items()}
+    ratio = rows["naive_total"] / max(rows["staged_reused"], 1e-9)
     print(
         f"model: {cfg.family} {cfg.num_layers} layers, {len(tensors)} tensors, "
-        f"{nbytes / 1e9:.3f} GB bf16, buckets of {args.bucket_mb} MiB ({len(chunks)})"
+        f"{nbytes / 1e9:.3f} GB bf16, buckets of {args.bucket_mb} MiB ({len(chunks)}); "
+        f"staging backend {staging_backend(staged)}, median of {args.repeats} where repeated"
     )
     print(f"{'stage':<28} {'seconds':>9} {'GB/s':>8}")
     for stage, sec in rows.items():
-        print(f"{stage:<28} {sec:>9.3f} {nbytes / max(sec, 1e-9) / 1e9:>8.2f}")
+        print(f"{stage:<28} {sec:>9.3f} {gb_per_s[stage]:>8.2f}")
+    print(f"naive_total / staged_reused: {ratio:.2f}x")
     print(
         json.dumps(
             {
@@ -154,6 +195,11 @@ def main() -> int:
                     "tensors": len(tensors),
                     "buckets": len(chunks),
                     "seconds": rows,
+                    "gb_per_s": gb_per_s,
+                    "naive_over_staged_reused": ratio,
+                    "staging_backend": staging_backend(staged),
+                    "staging_allocations": staging.allocations,
+                    "repeats": args.repeats,
                     "device": str(jax.devices()[0]),
                 }
             }

@@ -24,9 +24,10 @@ from ray.util.placement_group import remove_placement_group
 from jaxloop.config import engine_log_level
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
-from jaxloop.rollout.publication import Manifest, iter_chunks, tensor_hashes, xor_encode
+from jaxloop.rollout.publication import Manifest, iter_chunks, xor_encode
 from jaxloop.rollout.ray.actor import EngineSpec, error_text
 from jaxloop.rollout.ray.manager import RolloutManager
+from jaxloop.rollout.staging import HostStaging
 from jaxloop.rollout.types import PublishStats, Sample
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def retained_copies(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Owned copies of tensors kept past their publication: staged tensors are views of host
+    buffers that the next publication overwrites (HostStaging), never to be retained as such."""
+    return {name: np.array(arr, copy=True) for name, arr in tensors}
+
+
 class RayRolloutClient:
     """The rollout side of the trainer for Ray engines (`rollout.engine=vllm`).
 
@@ -65,6 +72,8 @@ class RayRolloutClient:
         self.transport = r.transport
         self.publish_mode = r.publish  # 'full', 'delta' or 'delta_xor'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
+        # host buffers every publication stages the policy through (allocated at the first)
+        self._staging = HostStaging(self.bucket_bytes)
         self.model_config = actor_model.config
         self.timings: dict[str, float] = {}
         self.publish_history: list[PublishStats] = []
@@ -273,15 +282,20 @@ class RayRolloutClient:
         (all-or-nothing; PublicationError on refusal, the engines keep serving the previous
         version)."""
         start = time.perf_counter()
-        tensors = self.hf_tensors(policy)
+        # the tensors are views of the staging buffers, valid until the next publication:
+        # whatever outlives this call is copied (retained_copies) or serialised (buckets)
+        staged = self._staging.stage(
+            policy, {name: dtype for name, (_, dtype) in self.expected.items()}
+        )
+        tensors, hashes = staged.tensors, staged.hashes
         t_tensors = time.perf_counter()
-        hashes = tensor_hashes(tensors)
         delta_mode = self.publish_mode in ("delta", "delta_xor")
         full = Manifest.build(policy.version, tensors, hashes=hashes, retain=delta_mode)
         delta, payloads, rebase = (
             self._delta(full, hashes, tensors) if delta_mode else (None, {}, False)
         )
-        self.last_breakdown = {"hf_tensors_s": t_tensors - start}
+        # hf_tensors_s: the host tensors and their hashes (staging; its stages in stage_*)
+        self.last_breakdown = {"hf_tensors_s": t_tensors - start, **staged.stats}
         self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
         base = tensors if self.publish_mode == "delta_xor" else None
         if delta is None:
@@ -392,8 +406,8 @@ class RayRolloutClient:
         self._version = version
         self._hashes = dict(hashes) if manifest.retain and hashes is not None else None
         self._base_tensors = None
-        if manifest.retain and base is not None:  # owned copies: never a view of a jax buffer
-            self._base_tensors = {n: a if a.flags.owndata else np.array(a) for n, a in base}
+        if manifest.retain and base is not None:  # never a view of staging or jax buffers
+            self._base_tensors = retained_copies(base)
         stats = PublishStats(
             version=version,
             num_tensors=manifest.count,
@@ -482,6 +496,8 @@ class RayRolloutClient:
             self._remove_placement_group()  # a dead manager's (a live one removed its own)
         self._version, self._chain, self._dirs, self._hashes = None, [], [], None
         self._base_tensors = None
+        if getattr(self, "_staging", None) is not None:  # close() also runs on a failed __init__
+            self._staging.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
