@@ -19,6 +19,9 @@ Importing this module is cheap; vLLM (and torch) are imported when a VLLMEngine 
   token through the model (nothing reads its forward: it predicts past the response), so that
   token reports full depth and exit log-prob 0. Needs enforce_eager=True and no prefix caching
   (a cached block holding response tokens was computed with their exits).
+- Loop budgets (`sampling.num_loops` = K): the plugin runs the first K loops; every sample
+  records `extras['loop_budget']`. Needs enforce_eager=True; a change of K drops the prefix
+  cache (its blocks hold the other depth's keys / values).
 
 Not thread-safe: call publish / generate from one thread.
 """
@@ -98,7 +101,7 @@ class VLLMEngine:
             n: (tuple(s), d) for n, (s, d) in replies[0]["expected"].items()
         }
         self._version: int | None = None
-        self._exit_mode: tuple[str, float] = ("none", 1.0)
+        self._depth_mode: tuple[str, float, int] = ("none", 1.0, 0)
         self._broken: str | None = None
         self.last_publish: PublishStats | None = None
         self.publish_history: list[PublishStats] = []
@@ -118,16 +121,11 @@ class VLLMEngine:
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         self._check_serving()
-        if sampling.num_loops:
-            raise ValueError(
-                f"sampling.num_loops={sampling.num_loops}: the vLLM plugin runs every loop "
-                "(loop budgets need the embedded JAX engine)"
-            )
         if not requests:
             return []
         from vllm.inputs import TokensPrompt
 
-        early_exit = self._set_early_exit(sampling)
+        early_exit = self._set_depth(sampling)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self._sampling_params(sampling, r.seed) for r in requests]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
@@ -146,32 +144,39 @@ class VLLMEngine:
             sample = Sample.from_request(
                 req, ids, logprobs, completion.finish_reason, self._version
             )
+            sample.extras["loop_budget"] = int(sampling.num_loops or self.num_loops)
             if exits is not None:
-                depths, exit_lps = self._response_exits(exits, out.request_id, req, len(ids))
+                loops = int(sampling.num_loops or self.num_loops)
+                depths, exit_lps = self._response_exits(exits, out.request_id, req, len(ids), loops)
                 sample.extras["response_depths"] = depths
                 sample.extras["response_exit_logprobs"] = exit_lps
             samples.append(sample)
         return samples
 
-    def _set_early_exit(self, sampling: SamplingConfig) -> bool:
-        """Put the engine's early-exit plan in the mode `sampling` asks for; True when it exits."""
-        mode = (sampling.early_exit, float(sampling.exit_threshold))
-        if mode[0] != "none":
-            if not self.enforce_eager or self.enable_prefix_caching:
-                raise ValueError(
-                    f"early_exit={mode[0]} needs a VLLMEngine with enforce_eager=True and "
-                    "enable_prefix_caching=False"
-                )
-        if mode != self._exit_mode:
-            self._rpc_checked("jaxloop_set_early_exit", *mode)
-            self._exit_mode = mode
+    def _set_depth(self, sampling: SamplingConfig) -> bool:
+        """Put the engine's depth plan (early exit, loop budget) in the mode `sampling` asks for;
+        True when tokens exit early."""
+        loops = int(sampling.num_loops) if sampling.num_loops != self.num_loops else 0
+        mode = (sampling.early_exit, float(sampling.exit_threshold), loops)
+        if mode[0] != "none" and (not self.enforce_eager or self.enable_prefix_caching):
+            raise ValueError(
+                f"early_exit={mode[0]} needs a VLLMEngine with enforce_eager=True and "
+                "enable_prefix_caching=False"
+            )
+        if loops and not self.enforce_eager:  # a compiled graph holds one loop count
+            raise ValueError(f"num_loops={loops} needs a VLLMEngine with enforce_eager=True")
+        if mode != self._depth_mode:
+            self._rpc_checked("jaxloop_set_depth", *mode)
+            if loops != self._depth_mode[2]:  # cached prompt blocks hold the other depth's KV
+                self._llm.reset_prefix_cache()
+            self._depth_mode = mode
         return mode[0] != "none"
 
     def _take_exits(self) -> dict[str, dict[int, tuple[int, float]]]:
         # every worker runs the same batch; the first one's record stands for all
         return self._rpc_checked("jaxloop_take_exits")[0]["exits"]
 
-    def _response_exits(self, exits, request_id: str, req: PromptRequest, length: int):
+    def _response_exits(self, exits, request_id: str, req: PromptRequest, length: int, loops: int):
         """(depths, exit log-probs) of a response of `length` tokens from the plan's records
         (keyed by vLLM's internal request id: the external one + '-' + a random suffix)."""
         record = exits.get(request_id)
@@ -180,7 +185,7 @@ class VLLMEngine:
             if len(matches) != 1:
                 raise RuntimeError(f"no early-exit record for request {request_id}")
             record = matches[0]
-        start, loops = len(req.prompt_ids), self.num_loops
+        start = len(req.prompt_ids)
         depths, exit_lps = [], []
         for j in range(length - 1):
             if start + j not in record:

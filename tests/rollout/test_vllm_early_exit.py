@@ -58,15 +58,16 @@ def _sampling(mode, **kw):
     )
 
 
-def _replay(model, samples):
-    """The JAX replay of the samples' depths: selected log-probs [N, T-1] at temperature 0.8,
-    the exit distribution [L, N, T-1] and the batch (depths, masks)."""
-    batch = RolloutBatch.from_samples(samples, scores=[0.0] * len(samples), num_loops=LOOPS)
+def _replay(model, samples, loops=LOOPS):
+    """The JAX replay of the samples' depths (with a loop budget of `loops`): selected log-probs
+    [N, T-1] at temperature 0.8, the exit distribution [loops, N, T-1] and the batch."""
+    batch = RolloutBatch.from_samples(samples, scores=[0.0] * len(samples), num_loops=loops)
     tokens = jnp.asarray(batch.tokens)
     out = model.forward(
         tokens[:, :-1],
         attention_mask=jnp.asarray(batch.attention_mask)[:, :-1],
         depths=jnp.asarray(batch.depths),
+        num_loops=loops,
         return_loops=True,
     )
     lp = jax.nn.log_softmax(out.logits / 0.8, axis=-1)
@@ -74,16 +75,17 @@ def _replay(model, samples):
     return np.asarray(selected), np.asarray(out.exit_probs), batch
 
 
-def _check_against_replay(model, samples):
+def _check_against_replay(model, samples, loops=LOOPS):
     """Engine log-probs (tokens and exits) vs the replay; returns the depths that ran."""
-    selected, exit_probs, batch = _replay(model, samples)
+    selected, exit_probs, batch = _replay(model, samples, loops)
     ran = []
     for i, s in enumerate(samples):
         p, n = len(s.prompt_ids), len(s.response_ids)
         depths = np.asarray(s.extras["response_depths"])
         exit_lps = np.asarray(s.extras["response_exit_logprobs"])
         assert len(depths) == len(exit_lps) == n
-        assert depths[-1] == LOOPS and exit_lps[-1] == 0.0  # the last token never ran
+        assert depths[-1] == loops and exit_lps[-1] == 0.0  # the last token never ran
+        assert s.extras["loop_budget"] == loops
         err = np.abs(selected[i, p - 1 : p - 1 + n] - np.asarray(s.response_logprobs)).max()
         assert err <= TOL, f"sample {i}: token log-probs differ from the replay by {err:.3g}"
         # the gate's log p of each exit, from the replay's distribution at that position
@@ -139,6 +141,27 @@ def test_sampled_exits_follow_the_seed_and_match_the_replay(setup):
     # full depth again when asked: no depths recorded
     plain = engine.generate(requests[:1], _sampling("none"))
     assert "response_depths" not in plain[0].extras
+
+
+def test_loop_budget_runs_the_first_k_loops(setup):
+    """A 2-loop budget equals the JAX model's num_loops=2, alone and with early exit; the next
+    full-depth call serves all 4 loops again."""
+    model, engine = setup
+    requests = _requests(2, base_len=9)
+    budget = engine.generate(requests, dataclasses.replace(_sampling("none"), num_loops=2))
+    for s in budget:
+        assert s.extras["loop_budget"] == 2 and "response_depths" not in s.extras
+        s.extras["response_depths"] = [2] * len(s.response_ids)  # the replay of full depth K
+        s.extras["response_exit_logprobs"] = [0.0] * len(s.response_ids)
+    selected, _, _ = _replay(model, budget, loops=2)
+    for i, s in enumerate(budget):
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        assert np.abs(selected[i, p - 1 : p - 1 + n] - np.asarray(s.response_logprobs)).max() <= TOL
+    exits = engine.generate(requests, dataclasses.replace(_sampling("threshold"), num_loops=2))
+    depths, _, _ = _check_against_replay(model, exits, loops=2)
+    assert set(depths.tolist()) == {1, 2}
+    full = engine.generate(requests, _sampling("threshold"))
+    _check_against_replay(model, full)
 
 
 def test_early_exit_refused_with_prefix_caching(setup, tmp_path):

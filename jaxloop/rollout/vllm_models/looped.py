@@ -13,7 +13,8 @@ loop whose cumulative exit probability (the gate's distribution) reaches its thr
 configured one, or a seeded uniform draw in 'sample' mode), is frozen from then on, and shows
 the keys / values of its exit loop to every deeper loop's cache (LAST_EXITED, the semantics of
 the JAX replay `forward(depths=)`); prompt tokens run at full depth. Needs eager mode (the plan
-reads the runner's batch on the host).
+reads the runner's batch on the host). The plan also carries a loop budget K (model.loop_budget):
+the first K loops run, the last of them ending with the norm, as the JAX model's num_loops=K.
 
 `load_weights` consumes the HF tensor names and shapes of jaxloop's family tables
 (jaxloop/families/nanbeige.py, ouro.py), mapping q/k/v onto the fused qkv_proj and gate/up onto
@@ -260,27 +261,30 @@ class LoopedModel(nn.Module):
     ) -> torch.Tensor:
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         arch = self.arch
-        if self.exit_plan is not None and self.exit_plan.enabled:
-            thresholds = self.exit_plan.thresholds(positions)  # None: a warm-up (dummy) batch
+        plan = self.exit_plan
+        # a loop budget K runs the first K loops (their caches; the deeper ones stay unused)
+        loops = plan.num_loops if plan is not None and plan.num_loops else arch.num_loops
+        if plan is not None and plan.enabled:
+            thresholds = plan.thresholds(positions)  # None: a warm-up (dummy) batch
             if thresholds is not None:
-                h, depths, exit_logprobs = self.forward_with_exits(positions, h, thresholds)
-                self.exit_plan.record(depths, exit_logprobs)
+                h, depths, exit_logprobs = self.forward_with_exits(positions, h, thresholds, loops)
+                plan.record(depths, exit_logprobs)
                 return h
-        for loop in range(arch.num_loops):
+        for loop in range(loops):
             for i, layer in enumerate(self.layers):
                 attn = self.loop_attn[loop * arch.num_layers + i]
                 h = layer(positions, h, self.rotary_emb, attn)
-            if arch.norm_between_loops or loop == arch.num_loops - 1:
+            if arch.norm_between_loops or loop == loops - 1:
                 h = self.norm(h)
         return h
 
-    def forward_with_exits(self, positions, h, thresholds):
-        """All loops with early exit: token i exits after the first loop t (< the last) whose
+    def forward_with_exits(self, positions, h, thresholds, loops: int):
+        """`loops` loops with early exit: token i exits after the first loop t (< the last) whose
         cumulative exit probability reaches thresholds[i] (inf: never, full depth), as the JAX
         sampler's exit_depths decides it. Returns (hidden after each token's exit loop [T, E],
-        depths [T] int32 in 1..L, log p of each exit under the gate's distribution [T])."""
+        depths [T] int32 in 1..loops, log p of each exit under the gate's distribution [T])."""
         arch = self.arch
-        loops, n = arch.num_loops, h.shape[0]
+        n = h.shape[0]
         active = torch.ones(n, dtype=torch.bool, device=h.device)
         depths = torch.full((n,), loops, dtype=torch.int32, device=h.device)
         exit_logprobs = torch.zeros(n, dtype=torch.float32, device=h.device)

@@ -87,6 +87,7 @@ class EarlyExitPlan:
         self.runner = runner
         self.mode = "none"
         self.threshold = 1.0
+        self.num_loops = 0  # a loop budget K (0: every loop)
         self.exits: dict[str, dict[int, tuple[int, float]]] = {}  # request id -> position -> exit
         self._step = None
 
@@ -176,19 +177,22 @@ class JaxloopWorkerExtension:
             return _reply(False, f"loading version {version} failed: {e!r}", fatal=True)
         return _reply(load_seconds=time.perf_counter() - start)
 
-    def jaxloop_set_early_exit(self, mode: str, threshold: float) -> dict:
-        """Serve every following request with early exit `mode` (EXIT_MODES), dropping what
-        was recorded of earlier ones."""
+    def jaxloop_set_depth(self, mode: str, threshold: float, num_loops: int) -> dict:
+        """Serve every following request with early exit `mode` (EXIT_MODES) and a loop budget
+        of `num_loops` (0: every loop), dropping what was recorded of earlier requests."""
         inner = self.model_runner.get_model().model
         if mode not in EXIT_MODES:
             return _reply(False, f"early_exit={mode!r}; expected one of {'/'.join(EXIT_MODES)}")
         if mode != "none" and not inner.arch.early_exit_gate:
             return _reply(False, f"early_exit={mode} needs a model with an exit gate (Ouro)")
+        if not 0 <= num_loops <= inner.arch.num_loops:
+            return _reply(False, f"num_loops={num_loops} is outside 0..{inner.arch.num_loops}")
         plan = getattr(self, "_jaxloop_exit_plan", None)
         if plan is None:
             plan = self._jaxloop_exit_plan = EarlyExitPlan(self.model_runner)
             inner.exit_plan = plan
-        plan.mode, plan.threshold, plan.exits = mode, float(threshold), {}
+        plan.mode, plan.threshold, plan.num_loops = mode, float(threshold), int(num_loops)
+        plan.exits = {}
         return _reply()
 
     def jaxloop_take_exits(self) -> dict:
