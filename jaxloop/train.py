@@ -332,6 +332,9 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
             max_new_tokens=cfg.rollout.max_new_tokens,
             early_exit=cfg.rollout.early_exit,
             exit_threshold=cfg.rollout.exit_threshold,
+            # per-loop credit: the embedded sampler's per-loop log-probs, checked per loop
+            # (vLLM engines have none)
+            loop_logprobs=cfg.algo.loop_credit != "last" and cfg.rollout.engine == "jax",
         ),
         loop_budget=parse_loop_budget(cfg.model.loop_budget),
     )
@@ -459,21 +462,34 @@ class Trainer:
         lag = np.array([self.version - s.policy_version for s in samples], np.float64)
         return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
 
-    def check_logprobs(self, update: int, arrays, old_lp) -> dict[str, float]:
-        diff = np.abs(old_lp - arrays.behav_logprobs) * arrays.response_mask
+    def check_logprobs(self, update: int, arrays, old_lp, loop_old_lp=None) -> dict[str, float]:
+        """Engine vs trainer selected log-probs of the sampled (last) loop, `old_lp` [N, T]; with
+        `loop_old_lp` [L, N, T] (per-loop credit) and the engine's per-loop log-probs
+        (`arrays.loop_behav_logprobs`, the embedded sampler's), also of every loop t:
+        loop<t>_logprob_diff_max, each held to the same bound."""
+        mask = arrays.response_mask
+        diff = np.abs(old_lp - arrays.behav_logprobs) * mask
         stats = {
             "logprob_diff_max": float(diff.max()),
-            "logprob_diff_mean": float(diff.sum() / max(arrays.response_mask.sum(), 1.0)),
+            "logprob_diff_mean": float(diff.sum() / max(mask.sum(), 1.0)),
         }
+        checked = [("", stats["logprob_diff_max"])]
+        if loop_old_lp is not None and arrays.loop_behav_logprobs is not None:
+            engine_lp = np.moveaxis(arrays.loop_behav_logprobs, 1, 0)  # [L, N, T] as the trainer's
+            for t, (trainer, engine) in enumerate(zip(loop_old_lp, engine_lp, strict=True)):
+                worst = float((np.abs(trainer - engine) * mask).max())
+                stats[f"loop{t + 1}_logprob_diff_max"] = worst
+                checked.append((f" of loop {t + 1}", worst))
         rollout = self.cfg.rollout
         bound = rollout.max_logprob_diff or default_logprob_diff(
             rollout.engine, self.cfg.model.compute_dtype
         )
-        if stats["logprob_diff_max"] > bound:
-            raise LogprobMismatchError(
-                f"update {update}: engine vs trainer log-prob difference "
-                f"{stats['logprob_diff_max']:.3g} exceeds rollout.max_logprob_diff={bound:g}"
-            )
+        for where, worst in checked:
+            if worst > bound:
+                raise LogprobMismatchError(
+                    f"update {update}: engine vs trainer log-prob difference{where} "
+                    f"{worst:.3g} exceeds rollout.max_logprob_diff={bound:g}"
+                )
         return stats
 
     def run(self) -> int:
@@ -557,7 +573,10 @@ class Trainer:
         old_lp_host = shd.to_host(old_lp[-1] if learner.per_loop else old_lp)
         metrics["time_old_logprobs"] = time.perf_counter() - t1
         if metrics["staleness_max"] == 0:  # a batch of older versions cannot be checked
-            metrics.update(self.check_logprobs(update, batch, old_lp_host))
+            loop_old_lp = None
+            if learner.per_loop and batch.loop_behav_logprobs is not None:  # embedded sampler
+                loop_old_lp = shd.to_host(old_lp)  # every loop is checked
+            metrics.update(self.check_logprobs(update, batch, old_lp_host, loop_old_lp))
         t_update = time.perf_counter()
         self.state, update_metrics = learner.update(
             self.state, {**device_batch, "old_logprobs": old_lp}

@@ -8,6 +8,10 @@ Early-exit rollouts add `depths` (each input position's loop count, the prompt a
 full depth) and, when the exit choice is an action, `exit_mask` (the targets whose position's
 exit was drawn by the gate: response tokens predicted by a response token); both are None
 otherwise, so a full-depth batch is what it always was.
+
+Samples of the embedded sampler asked for per-loop log-probs add `loop_behav_logprobs` (each
+response target's log-prob under every loop's logits, padded like `behav_logprobs`): a host-only
+field for the engine-vs-trainer check of every loop, not sent to the learner (`arrays`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ BATCH_FIELDS = (
     "group_ids",
     "sample_mask",
 )
-OPTIONAL_FIELDS = ("depths", "exit_mask")
+OPTIONAL_FIELDS = ("depths", "exit_mask", "loop_behav_logprobs")
+HOST_FIELDS = ("loop_behav_logprobs",)  # read by the trainer's checks, not by the learner
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -46,6 +51,7 @@ class RolloutBatch:
     sample_mask: np.ndarray  # [N] float32: 1 for a real sample, 0 for padding rows
     depths: np.ndarray | None = None  # [N, T] int32: loops run at input position t
     exit_mask: np.ndarray | None = None  # [N, T] float32: targets whose exit was an action
+    loop_behav_logprobs: np.ndarray | None = None  # [N, L, T] float32: per-loop engine log-probs
 
     def _fields(self) -> tuple[str, ...]:
         return BATCH_FIELDS + tuple(f for f in OPTIONAL_FIELDS if getattr(self, f) is not None)
@@ -71,11 +77,14 @@ class RolloutBatch:
         response_depths: Sequence[Sequence[int]] | None = None,
         num_loops: int = 0,
         exit_logprobs: Sequence[Sequence[float]] | None = None,
+        loop_logprobs: Sequence[Sequence[Sequence[float]]] | None = None,
     ) -> RolloutBatch:
         """response_depths (with num_loops, the full depth of the prompt): each response token's
         loop count. exit_logprobs: the gate's log p of each response token's exit, an action
         together with the next token: added to that token's behaviour log-prob (the first
-        response token is predicted by the prompt, which exits at no sampled loop)."""
+        response token is predicted by the prompt, which exits at no sampled loop).
+        loop_logprobs: per sample [L][len(response)], each response token's log-prob under each
+        loop's logits (the token's alone: exit log-probs are not added)."""
         n = len(prompts)
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         seq = round_up(max(lengths) + 1, seq_multiple)
@@ -94,6 +103,15 @@ class RolloutBatch:
             depths = np.full((n, seq - 1), num_loops, np.int32)
             for i, (p, d) in enumerate(zip(prompts, response_depths, strict=True)):
                 depths[i, len(p) : len(p) + len(d)] = d
+        loop_behav = None
+        if loop_logprobs is not None:
+            loops = {len(x) for x in loop_logprobs}
+            if len(loops) != 1:
+                raise ValueError(f"samples carry per-loop log-probs of {sorted(loops)} loops")
+            loop_behav = np.zeros((n, loops.pop(), seq - 1), np.float32)
+            for i, (p, r, x) in enumerate(zip(prompts, responses, loop_logprobs, strict=True)):
+                np_, nr = len(p), len(r)
+                loop_behav[i, :, np_ - 1 : np_ - 1 + nr] = x
         if exit_logprobs is not None:
             exit_mask = np.zeros((n, seq - 1), np.float32)
             for i, (p, r, e) in enumerate(zip(prompts, responses, exit_logprobs, strict=True)):
@@ -110,6 +128,7 @@ class RolloutBatch:
             sample_mask=np.ones((n,), np.float32),
             depths=depths,
             exit_mask=exit_mask,
+            loop_behav_logprobs=loop_behav,
         )
 
     @classmethod
@@ -124,12 +143,16 @@ class RolloutBatch:
         """From anything with prompt_ids, response_ids, response_logprobs, group_id and (unless
         `scores` is given) reward. num_loops > 0 (early-exit rollouts): the depths of
         extras['response_depths']; depth_as_action: the exit log-probs
-        extras['response_exit_logprobs'] join the behaviour log-probs."""
+        extras['response_exit_logprobs'] join the behaviour log-probs. Per-loop log-probs
+        (extras['loop_logprobs']) are carried when every sample has them."""
         depths = exit_lps = None
         if num_loops > 0:
             depths = [s.extras["response_depths"] for s in samples]
         if depth_as_action:
             exit_lps = [s.extras["response_exit_logprobs"] for s in samples]
+        loop_lps = None
+        if samples and all("loop_logprobs" in s.extras for s in samples):
+            loop_lps = [s.extras["loop_logprobs"] for s in samples]
         return cls.from_sequences(
             [s.prompt_ids for s in samples],
             [s.response_ids for s in samples],
@@ -140,6 +163,7 @@ class RolloutBatch:
             response_depths=depths,
             num_loops=num_loops,
             exit_logprobs=exit_lps,
+            loop_logprobs=loop_lps,
         )
 
     def pad_to(self, multiple: int) -> RolloutBatch:
@@ -168,13 +192,14 @@ class RolloutBatch:
         fields = {}
         for name in self._fields():
             x = getattr(self, name)
-            if x.ndim == 2:
+            if x.ndim >= 2:  # the length axis is the last
                 width = seq if name in ("tokens", "attention_mask") else seq - 1
                 fill = x.max(initial=1) if name == "depths" else 0
-                pad = ((0, 0), (0, max(width - x.shape[1], 0)))
-                x = np.pad(x[:, :width], pad, constant_values=fill)
+                pad = ((0, 0),) * (x.ndim - 1) + ((0, max(width - x.shape[-1], 0)),)
+                x = np.pad(x[..., :width], pad, constant_values=fill)
             fields[name] = x
         return RolloutBatch(**fields)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in self._fields()}
+        """The learner's input (host-only fields left out)."""
+        return {name: getattr(self, name) for name in self._fields() if name not in HOST_FIELDS}

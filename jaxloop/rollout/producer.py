@@ -90,8 +90,11 @@ class RolloutProducer:
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
         )
-        # evaluation runs every loop, as jaxloop.evaluate measures a checkpoint
-        self.eval_sampling = dataclasses.replace(self.sampling, greedy=True, early_exit="none")
+        # evaluation runs every loop, as jaxloop.evaluate measures a checkpoint, and needs no
+        # per-loop log-probs
+        self.eval_sampling = dataclasses.replace(
+            self.sampling, greedy=True, early_exit="none", loop_logprobs=False
+        )
 
     # ---- engine pass-through ----
     def publish(self, policy: Policy) -> PublishStats:

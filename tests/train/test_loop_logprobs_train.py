@@ -1,0 +1,51 @@
+"""Per-loop credit with the embedded sampler: every loop's engine-vs-trainer log-prob difference
+is written (loop<t>_logprob_diff_max) and held to rollout.max_logprob_diff, early exits included
+(the sampler's loops past a token's exit are its exit loop, as the trainer's replay)."""
+
+import numpy as np
+
+from jaxloop.rl.batch import RolloutBatch
+from jaxloop.train import main
+from tests.train.helpers import read_rows
+from tests.train.test_early_exit_train import LOOPS, OURO
+
+
+def test_every_loop_is_checked_against_the_engine(tmp_path):
+    args = [
+        "--config",
+        "grpo.py",
+        *OURO,
+        "--config.rollout.early_exit=threshold",
+        "--config.rollout.exit_threshold=0.6",
+        "--config.algo.loop_credit=uniform",
+        f"--config.run_dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 0
+    rows = [r for r in read_rows(tmp_path / "run") if "update" in r]
+    assert len(rows) == 2
+    for row in rows:
+        diffs = [row[f"loop{t}_logprob_diff_max"] for t in range(1, LOOPS + 1)]
+        assert max(diffs) <= 3e-6, diffs  # fp32: the replay's bound
+        assert diffs[-1] == row["logprob_diff_max"]  # the sampled loop is the last
+        assert row["depth_mean"] < LOOPS  # some tokens exited: their deeper loops were compared
+
+
+def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
+    loop_lps = [[[-1.0, -2.0], [-3.0, -4.0]], [[-5.0], [-6.0]]]  # [L=2][len] per sample
+    batch = RolloutBatch.from_sequences(
+        [[3, 4], [5]],
+        [[6, 7], [8]],
+        [[-3.0, -4.0], [-6.0]],
+        [1.0, 0.0],
+        [0, 0],
+        seq_multiple=8,
+        loop_logprobs=loop_lps,
+    ).pad_to(4)
+    assert batch.loop_behav_logprobs.shape == (4, 2, 7)
+    np.testing.assert_array_equal(batch.loop_behav_logprobs[:, -1], batch.behav_logprobs)
+    np.testing.assert_array_equal(batch.loop_behav_logprobs[0, 0, 1:3], [-1.0, -2.0])
+    assert batch.loop_behav_logprobs[2:].max() == 0.0  # padding rows
+    longer = batch.with_length(12)
+    assert longer.loop_behav_logprobs.shape == (4, 2, 11)
+    np.testing.assert_array_equal(longer.loop_behav_logprobs[..., :7], batch.loop_behav_logprobs)
+    assert "loop_behav_logprobs" not in batch.arrays()  # host-only: the learner never sees it
