@@ -1,6 +1,6 @@
 """Policy publication cost, stage by stage, for a configurable-size looped model.
 
-    python scripts/bench_publish.py [--layers 2] [--vocab 32000] [--bucket-mb 256] [--repeats 3]
+    python scripts/bench_publish.py [--layers 2] [--vocab 32000] [--bucket-mb 64] [--repeats 3]
     python scripts/bench_publish.py --full nanbeige4.2-3b --ray      # GPU machine: 8.3 GB
 
 Stages (the same code path the trainer and engines use): trainer params -> HF-named host tensors
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="rollout.publish_bucket_mb")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each repeated stage")
     ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "torch", "torch_pinned"))
     ap.add_argument("--ray", action="store_true", help="also time the Ray object-store path")
