@@ -244,7 +244,8 @@ DESCRIPTIONS = {
     "model.logits_chunk": "sequence positions per LM-head chunk in the learner (0: whole "
     "sequence); bounds the [B, chunk, V] logits held at once",
     "model.loop_budget": "loops per update, K@N,...: K loops (1..num_loops) from update N (starts "
-    "at 0, N increasing), in the sampler, recompute, loss and critic; empty: full depth",
+    "at 0, N increasing), in the sampler (vllm engines: eagerly), recompute, loss and critic; "
+    "empty: full depth",
     "data.source": "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
     "data.eval_source": "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; "
     "empty: the built-in task's held-out split (a file data.source then has no evaluation)",
@@ -260,9 +261,10 @@ DESCRIPTIONS = {
     "rollout.top_p": "nucleus sampling threshold (1: off)",
     "rollout.top_k": "top-k sampling (-1: off)",
     "rollout.max_new_tokens": "response length limit in tokens",
-    "rollout.early_exit": "jax, Ouro (exit gate): none | threshold (a token exits at the first "
+    "rollout.early_exit": "Ouro (exit gate): none | threshold (a token exits at the first "
     "loop whose cumulative exit probability reaches exit_threshold) | sample (at a loop drawn "
-    "from the gate's distribution); the prompt runs every loop, the trainer replays the depths",
+    "from the gate's distribution); the prompt runs every loop, the trainer replays the depths; "
+    "vllm engines run eagerly without prefix caching then",
     "rollout.exit_threshold": "early_exit=threshold: cumulative exit probability in (0, 1]",
     "rollout.max_logprob_diff": "stop (exit 3) when engine and trainer log-probs differ by more; "
     "0: 1e-3 (jax, fp32) or 0.03 (vllm or bf16)",
@@ -654,11 +656,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"+ rollout.max_new_tokens = {longest}"
         )
     schedule = parse_loop_budget(cfg.model.loop_budget)
-    if schedule and cfg.rollout.engine != "jax":
-        raise UsageError(
-            "model.loop_budget needs rollout.engine=jax: the vLLM plugin runs every loop of the "
-            "model it loaded (no per-version depth)"
-        )
     if schedule and not (cfg.model.hf_dir or cfg.model.init_checkpoint or cfg.model.preset):
         check_loop_budget(schedule, cfg.model.num_loops)
     check_early_exit(cfg)
@@ -700,11 +697,6 @@ def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
         )
     if mode == "none":
         return
-    if cfg.rollout.engine != "jax":
-        raise UsageError(
-            f"rollout.early_exit={mode} needs rollout.engine=jax: the vLLM plugin returns no "
-            "per-token depths"
-        )
     if cfg.learner.pack_tokens > 0:
         raise UsageError(
             f"rollout.early_exit={mode} with learner.pack_tokens > 0 is not supported: the packed "

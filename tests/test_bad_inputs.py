@@ -503,12 +503,6 @@ CATALOGUE = [
         lambda ctx: _hf(ctx, lambda p: None) + ["--config.model.loop_budget=4@0"],
         "K=4 exceeds the model's num_loops=2",
     ),
-    Row(
-        "loop budget with vLLM engines",
-        _args("--config.rollout.engine=vllm", "--config.model.loop_budget=1@0"),
-        "model.loop_budget needs rollout.engine=jax",
-        dry=True,
-    ),
     # ---- per-loop credit
     Row(
         "unknown loop credit",
@@ -566,16 +560,6 @@ CATALOGUE = [
         "early exit on an HF model without an exit gate",
         lambda ctx: _hf(ctx, lambda p: None) + ["--config.rollout.early_exit=threshold"],
         "needs a model with an exit gate",
-    ),
-    Row(
-        "early exit with vLLM engines",
-        _args(
-            "--config.model.family=ouro",
-            "--config.rollout.engine=vllm",
-            "--config.rollout.early_exit=threshold",
-        ),
-        "rollout.early_exit=threshold needs rollout.engine=jax",
-        dry=True,
     ),
     Row(
         "early exit with sequence packing",

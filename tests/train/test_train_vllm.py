@@ -110,6 +110,29 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts", "manager_restarts"}
 
 
+def test_early_exit_and_loop_budget_through_ray_vllm(tmp_path, cluster, env):
+    """Ouro with threshold exits and a 2-then-3 loop budget: the engines exit tokens and run K
+    loops, the trainer replays their depths, and the log-probs agree within the vLLM bound."""
+    run_dir = tmp_path / "depth_vllm"
+    _train(
+        run_dir,
+        "dppo",
+        "--config.model.family=ouro",
+        "--config.model.num_loops=3",
+        "--config.model.loop_budget=2@0,3@1",
+        "--config.rollout.early_exit=threshold",
+        "--config.rollout.exit_threshold=0.4",
+        env=env,
+        address=cluster,
+    )
+    rows = read_rows(run_dir)
+    assert [r["loop_budget"] for r in rows] == [2.0, 3.0]
+    for r in rows:
+        assert r["logprob_diff_max"] <= default_logprob_diff("vllm", "float32")
+        assert r["depth_hist_1"] > 0 and r["depth_mean"] < r["loop_budget"]
+    TIMINGS["depth_logprob_diff_max"] = max(r["logprob_diff_max"] for r in rows)
+
+
 def test_verbose_shows_the_engines_info_lines(tmp_path, cluster, env):
     """--config.verbose=True: vLLM's INFO lines come through, prefixed by the engine index."""
     proc, _ = _train(

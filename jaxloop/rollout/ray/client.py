@@ -255,6 +255,11 @@ class RayRolloutClient:
         llm_kwargs: dict[str, Any] = {}
         if logging.getLevelName(self.log_level) > logging.INFO:
             llm_kwargs["use_tqdm_on_load"] = False  # weight-loading progress bars
+        if cfg.rollout.early_exit != "none" or cfg.model.loop_budget:
+            # the plugin's depth plan reads the batch on the host per forward, and a cached block
+            # holding response tokens was computed with their exits
+            llm_kwargs["enforce_eager"] = True
+            llm_kwargs["enable_prefix_caching"] = cfg.rollout.early_exit == "none"
         if gpus < 1:  # CPU engines (tests, CI): eager, in-process engine core, small KV cache
             llm_kwargs["enforce_eager"] = True
             self._runtime_env["env_vars"].setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
