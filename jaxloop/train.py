@@ -74,6 +74,35 @@ class LogprobMismatchError(RuntimeError):
     """Engine and trainer disagree on the sampled tokens' log-probs beyond the configured bound."""
 
 
+def check_engine_logprobs(
+    update: int, arrays, old_lp, bound: float, loop_old_lp=None
+) -> dict[str, float]:
+    """Engine vs trainer selected log-probs of the sampled (last) loop, `old_lp` [N, T]; with
+    `loop_old_lp` [L, N, T] (per-loop credit) and the engine's per-loop log-probs
+    (`arrays.loop_behav_logprobs`, the embedded sampler's), also of every loop t:
+    loop<t>_logprob_diff_max. Each is held to `bound` (LogprobMismatchError)."""
+    mask = arrays.response_mask
+    diff = np.abs(old_lp - arrays.behav_logprobs) * mask
+    stats = {
+        "logprob_diff_max": float(diff.max()),
+        "logprob_diff_mean": float(diff.sum() / max(mask.sum(), 1.0)),
+    }
+    checked = [("", stats["logprob_diff_max"])]
+    if loop_old_lp is not None and arrays.loop_behav_logprobs is not None:
+        engine_lp = np.moveaxis(arrays.loop_behav_logprobs, 1, 0)  # [L, N, T] as the trainer's
+        for t, (trainer, engine) in enumerate(zip(loop_old_lp, engine_lp, strict=True)):
+            worst = float((np.abs(trainer - engine) * mask).max())
+            stats[f"loop{t + 1}_logprob_diff_max"] = worst
+            checked.append((f" of loop {t + 1}", worst))
+    for where, worst in checked:
+        if worst > bound:
+            raise LogprobMismatchError(
+                f"update {update}: engine vs trainer log-prob difference{where} "
+                f"{worst:.3g} exceeds rollout.max_logprob_diff={bound:g}"
+            )
+    return stats
+
+
 class NonFiniteUpdateError(RuntimeError):
     """optim.max_skipped_updates updates in a row had a non-finite loss or gradient norm."""
 
@@ -463,34 +492,11 @@ class Trainer:
         return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
 
     def check_logprobs(self, update: int, arrays, old_lp, loop_old_lp=None) -> dict[str, float]:
-        """Engine vs trainer selected log-probs of the sampled (last) loop, `old_lp` [N, T]; with
-        `loop_old_lp` [L, N, T] (per-loop credit) and the engine's per-loop log-probs
-        (`arrays.loop_behav_logprobs`, the embedded sampler's), also of every loop t:
-        loop<t>_logprob_diff_max, each held to the same bound."""
-        mask = arrays.response_mask
-        diff = np.abs(old_lp - arrays.behav_logprobs) * mask
-        stats = {
-            "logprob_diff_max": float(diff.max()),
-            "logprob_diff_mean": float(diff.sum() / max(mask.sum(), 1.0)),
-        }
-        checked = [("", stats["logprob_diff_max"])]
-        if loop_old_lp is not None and arrays.loop_behav_logprobs is not None:
-            engine_lp = np.moveaxis(arrays.loop_behav_logprobs, 1, 0)  # [L, N, T] as the trainer's
-            for t, (trainer, engine) in enumerate(zip(loop_old_lp, engine_lp, strict=True)):
-                worst = float((np.abs(trainer - engine) * mask).max())
-                stats[f"loop{t + 1}_logprob_diff_max"] = worst
-                checked.append((f" of loop {t + 1}", worst))
         rollout = self.cfg.rollout
         bound = rollout.max_logprob_diff or default_logprob_diff(
             rollout.engine, self.cfg.model.compute_dtype
         )
-        for where, worst in checked:
-            if worst > bound:
-                raise LogprobMismatchError(
-                    f"update {update}: engine vs trainer log-prob difference{where} "
-                    f"{worst:.3g} exceeds rollout.max_logprob_diff={bound:g}"
-                )
-        return stats
+        return check_engine_logprobs(update, arrays, old_lp, bound, loop_old_lp)
 
     def run(self) -> int:
         cfg = self.cfg

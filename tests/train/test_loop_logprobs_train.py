@@ -3,9 +3,10 @@ is written (loop<t>_logprob_diff_max) and held to rollout.max_logprob_diff, earl
 (the sampler's loops past a token's exit are its exit loop, as the trainer's replay)."""
 
 import numpy as np
+import pytest
 
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.train import main
+from jaxloop.train import LogprobMismatchError, check_engine_logprobs, main
 from tests.train.helpers import read_rows
 from tests.train.test_early_exit_train import LOOPS, OURO
 
@@ -30,9 +31,9 @@ def test_every_loop_is_checked_against_the_engine(tmp_path):
         assert row["depth_mean"] < LOOPS  # some tokens exited: their deeper loops were compared
 
 
-def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
+def _batch():
     loop_lps = [[[-1.0, -2.0], [-3.0, -4.0]], [[-5.0], [-6.0]]]  # [L=2][len] per sample
-    batch = RolloutBatch.from_sequences(
+    return RolloutBatch.from_sequences(
         [[3, 4], [5]],
         [[6, 7], [8]],
         [[-3.0, -4.0], [-6.0]],
@@ -41,6 +42,10 @@ def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
         seq_multiple=8,
         loop_logprobs=loop_lps,
     ).pad_to(4)
+
+
+def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
+    batch = _batch()
     assert batch.loop_behav_logprobs.shape == (4, 2, 7)
     np.testing.assert_array_equal(batch.loop_behav_logprobs[:, -1], batch.behav_logprobs)
     np.testing.assert_array_equal(batch.loop_behav_logprobs[0, 0, 1:3], [-1.0, -2.0])
@@ -49,3 +54,16 @@ def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
     assert longer.loop_behav_logprobs.shape == (4, 2, 11)
     np.testing.assert_array_equal(longer.loop_behav_logprobs[..., :7], batch.loop_behav_logprobs)
     assert "loop_behav_logprobs" not in batch.arrays()  # host-only: the learner never sees it
+
+
+def test_a_loop_beyond_the_bound_is_refused_by_name():
+    batch = _batch()
+    trainer = np.moveaxis(batch.loop_behav_logprobs, 1, 0).copy()  # [L, N, T]: all agree
+    stats = check_engine_logprobs(3, batch, trainer[-1], 1e-3, trainer)
+    assert stats["loop1_logprob_diff_max"] == stats["loop2_logprob_diff_max"] == 0.0
+    trainer[0, 1, 0] += 0.01  # loop 1 of the second sample's only response token (prompt 1)
+    trainer[0, 3, :] += 1.0  # a padding row: masked
+    with pytest.raises(LogprobMismatchError, match="difference of loop 1 0.01 exceeds"):
+        check_engine_logprobs(3, batch, trainer[-1], 1e-3, trainer)
+    assert check_engine_logprobs(3, batch, trainer[-1], 0.02, trainer)["loop1_logprob_diff_max"] > 0
+    assert "loop1_logprob_diff_max" not in check_engine_logprobs(3, batch, trainer[-1], 1e-3)
