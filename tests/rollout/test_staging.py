@@ -24,11 +24,14 @@ from jaxloop.rollout.staging import HostStaging, device_cast_is_exact
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sharded_policy(family: str, version: int = 1, seed: int = 0) -> Policy:
+def tiny_policy(family: str, version: int = 1, seed: int = 0, sharded: bool = True) -> Policy:
+    """A 2-layer policy, its parameters over the 8 devices' 'fsdp' axis or on one device."""
     cfg = LoopedConfig.from_hf_dict(
         tiny_hf_config(family, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     )
-    model = shard_model(LoopedLM(cfg, rngs=nnx.Rngs(seed)), make_mesh())
+    model = LoopedLM(cfg, rngs=nnx.Rngs(seed))
+    if sharded:
+        shard_model(model, make_mesh())
     return Policy(nnx.state(model), version, cfg)
 
 
@@ -42,7 +45,7 @@ def assert_same(got, want):
     ("backend", "cast_on_device"), [("numpy", None), ("torch", None), ("numpy", False)]
 )
 def test_staging_equals_hf_tensors_and_reuses_its_buffers(backend, cast_on_device):
-    policy = sharded_policy("nanbeige")
+    policy = tiny_policy("nanbeige")
     variables = jax.tree.leaves(policy.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     sharded = [v[...] for v in variables]
     assert any(len(x.sharding.device_set) == 8 for x in sharded)  # the copy gathers shards
@@ -80,14 +83,15 @@ def test_device_cast_to_bfloat16_is_bitwise_numpys():
 
 def test_what_a_publisher_retains_survives_the_next_publication():
     """Version 1's tensors, copied as RayRolloutClient copies its delta_xor base, still hold
-    version 1's bytes after version 2 went through the same (reused) buffers."""
+    version 1's bytes after version 2 went through the same (reused) buffers (the torch backend
+    on unsharded parameters: the other backend and sharding are covered above)."""
     from jaxloop.rollout.ray.client import retained_copies
 
-    staging = HostStaging(bucket_bytes=1 << 20, backend="numpy")
-    one = sharded_policy("ouro", version=1, seed=0)
+    staging = HostStaging(bucket_bytes=1 << 20, backend="torch")
+    one = tiny_policy("ouro", version=1, seed=0, sharded=False)
     v1_bytes = {n: a.tobytes() for n, a in hf_tensors(one)}
     kept = retained_copies(staging.stage(one).tensors)
-    two = sharded_policy("ouro", version=2, seed=1)
+    two = tiny_policy("ouro", version=2, seed=1, sharded=False)
     staged_two = staging.stage(two)
     assert staging.allocations == 1
     assert_same(staged_two.tensors, hf_tensors(two))
