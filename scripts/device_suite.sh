@@ -61,7 +61,9 @@ if [ "$GPU" = 1 ]; then
     echo "== anchor: exit $?" | tee -a "$LOG"
   fi
   step decode 120 $PY scripts/bench_decode.py --config nanbeige-3b --batch 64 --context 1024
-  step publish 90 $PY scripts/bench_publish.py --layers 22 --hidden 3072 --vocab 166144
+  # naive + staged (first and 2 reused) + serialise + verify + disk of 8.3 GB: host-bound stages
+  step publish 180 $PY scripts/bench_publish.py --layers 22 --hidden 3072 --vocab 166144 \
+    --repeats 2
   step e2e 600 $PY scripts/e2e_official.py --config nanbeige-3b
 else
   step bench_model_plain 300 $PY scripts/bench_model.py --config tiny --batch 2 --seq 64 \
@@ -71,6 +73,7 @@ else
   if [ -n "$ANCHOR" ]; then
     echo "== anchor: needs a GPU (torch.compile, cuDNN); skipped on CPU" | tee -a "$LOG"
   fi
+  step publish 120 $PY scripts/bench_publish.py --layers 1 --hidden 256 --vocab 1024 --repeats 2
   step e2e 1200 $PY scripts/e2e_official.py --config nanbeige-3b --reduced --algorithms grpo
 fi
 echo "suite done: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"
