@@ -173,18 +173,17 @@ class VLLMEngine:
         return mode[0] != "none"
 
     def _take_exits(self) -> dict[str, dict[int, tuple[int, float]]]:
+        """{request id: {position: (depth, exit log-prob)}}, keyed by the ids generate's outputs
+        carry (vLLM's internal id is the external one + '-' + a random suffix)."""
         # every worker runs the same batch; the first one's record stands for all
-        return self._rpc_checked("jaxloop_take_exits")[0]["exits"]
+        exits = self._rpc_checked("jaxloop_take_exits")[0]["exits"]
+        return {internal.rsplit("-", 1)[0]: record for internal, record in exits.items()}
 
     def _response_exits(self, exits, request_id: str, req: PromptRequest, length: int, loops: int):
-        """(depths, exit log-probs) of a response of `length` tokens from the plan's records
-        (keyed by vLLM's internal request id: the external one + '-' + a random suffix)."""
-        record = exits.get(request_id)
+        """(depths, exit log-probs) of a response of `length` tokens from the plan's records."""
+        record = exits.get(request_id, {} if length <= 1 else None)  # 1 token: none ran
         if record is None:
-            matches = [v for k, v in exits.items() if k.rsplit("-", 1)[0] == request_id]
-            if len(matches) != 1:
-                raise RuntimeError(f"no early-exit record for request {request_id}")
-            record = matches[0]
+            raise RuntimeError(f"no early-exit record for request {request_id}")
         start = len(req.prompt_ids)
         depths, exit_lps = [], []
         for j in range(length - 1):

@@ -111,6 +111,14 @@ def test_threshold_exits_match_the_jax_replay(setup):
             assert d == 1 or c[d - 2] < THRESHOLD + 1e-5
 
 
+def test_one_token_responses_ran_no_response_token(setup):
+    _, engine = setup
+    sampling = dataclasses.replace(_sampling("threshold"), max_new_tokens=1)
+    for s in engine.generate(_requests(2, base_len=9), sampling):
+        assert s.extras["response_depths"] == [LOOPS]
+        assert s.extras["response_exit_logprobs"] == [0.0]
+
+
 def test_greedy_threshold_equals_the_embedded_sampler(setup):
     """Same tokens, log-probs and depths as the JAX sampler's own threshold decoding (at
     temperature 1: greedy vLLM reports log_softmax(logits))."""
