@@ -623,9 +623,11 @@ class Trainer:
 
 def depth_metrics(samples, loops: int) -> dict[str, float]:
     """Early-exit rollouts: the mean loops a response token ran, the fraction that exited at each
-    loop t (depth_hist_<t>, t = 1..loops) and the compute saved against running every loop."""
+    loop t (depth_hist_<t>, t = 1..loops) and the compute saved against running every loop. Over
+    every response token but the last: its forward would only predict past the response (vLLM
+    never runs it; the embedded sampler's is discarded), so both engines count the same tokens."""
     depths = np.concatenate(
-        [np.asarray(s.extras["response_depths"], np.int64) for s in samples] or [np.zeros(0)]
+        [np.asarray(s.extras["response_depths"][:-1], np.int64) for s in samples] or [np.zeros(0)]
     )
     if depths.size == 0:
         return {}
