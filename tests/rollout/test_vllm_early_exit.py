@@ -25,6 +25,7 @@ from tests.rollout.test_vllm_engine import TOL, _make_model, _requests, _tensors
 
 LOOPS = 4
 THRESHOLD = 0.6
+MEASURED: dict[str, float] = {}  # max errors and depth counts, printed at the end of the module
 pytestmark = pytest.mark.slow
 
 
@@ -50,6 +51,9 @@ def setup(tmp_path_factory):
     engine.publish(_tensors(model), version=1)
     yield model, engine
     engine.close()
+    print(
+        "\nvLLM early exit vs the JAX replay:", {k: float(f"{v:.3g}") for k, v in MEASURED.items()}
+    )
 
 
 def _sampling(mode, **kw):
@@ -75,10 +79,10 @@ def _replay(model, samples, loops=LOOPS):
     return np.asarray(selected), np.asarray(out.exit_probs), batch
 
 
-def _check_against_replay(model, samples, loops=LOOPS):
+def _check_against_replay(model, samples, loops=LOOPS, name=""):
     """Engine log-probs (tokens and exits) vs the replay; returns the depths that ran."""
     selected, exit_probs, batch = _replay(model, samples, loops)
-    ran = []
+    ran, worst = [], [0.0, 0.0]
     for i, s in enumerate(samples):
         p, n = len(s.prompt_ids), len(s.response_ids)
         depths = np.asarray(s.extras["response_depths"])
@@ -92,14 +96,19 @@ def _check_against_replay(model, samples, loops=LOOPS):
         pos = np.arange(p, p + n - 1)
         ref = np.log(exit_probs[depths[:-1] - 1, i, pos])
         assert np.abs(ref - exit_lps[:-1]).max() <= TOL
+        worst = [max(worst[0], err), max(worst[1], float(np.abs(ref - exit_lps[:-1]).max()))]
         ran.append(depths[:-1])
+    if name:
+        MEASURED[f"{name}_token_logprob_err"], MEASURED[f"{name}_exit_logprob_err"] = worst
+        for d in range(1, loops + 1):
+            MEASURED[f"{name}_depth_{d}"] = float(sum((r == d).sum() for r in ran))
     return np.concatenate(ran), exit_probs, batch
 
 
 def test_threshold_exits_match_the_jax_replay(setup):
     model, engine = setup
     samples = engine.generate(_requests(4, base_len=9), _sampling("threshold"))
-    depths, exit_probs, batch = _check_against_replay(model, samples)
+    depths, exit_probs, batch = _check_against_replay(model, samples, name="threshold")
     assert len(set(depths.tolist())) >= 3, f"too few distinct depths to test the rule: {depths}"
     # the rule: the first loop whose cumulative exit probability reaches the threshold
     cumulative = np.cumsum(exit_probs, axis=0)
@@ -144,7 +153,7 @@ def test_sampled_exits_follow_the_seed_and_match_the_replay(setup):
     for a, b in zip(first, again, strict=True):
         assert a.response_ids == b.response_ids
         assert a.extras["response_depths"] == b.extras["response_depths"]
-    depths, _, _ = _check_against_replay(model, first)
+    depths, _, _ = _check_against_replay(model, first, name="sample")
     assert len(set(depths.tolist())) >= 2
     # full depth again when asked: no depths recorded
     plain = engine.generate(requests[:1], _sampling("none"))
