@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from jaxloop.data.tasks import DEFAULT_TASK
+from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -667,7 +668,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-EARLY_EXIT_MODES = ("none", "threshold", "sample")
 
 
 def has_exit_gate(cfg: ml_collections.ConfigDict, model_config=None) -> bool | None:

@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxloop.config import LOOP_CREDITS
 from jaxloop.models.looped import project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl import advantages as adv_lib
@@ -233,7 +234,6 @@ def packed_token_values(graphdef, params, rows: dict):
 
 
 # ---- per-loop credit (algo.loop_credit) ----
-LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
 
 
 class LoopStats(NamedTuple):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# SamplingConfig.early_exit (and rollout.early_exit)
+EARLY_EXIT_MODES = ("none", "threshold", "sample")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:

@@ -18,6 +18,7 @@ import torch
 
 from jaxloop.rollout.api import PublicationError
 from jaxloop.rollout.publication import Manifest, PublicationReceiver
+from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -69,7 +70,6 @@ def install_unfiltered_logprobs(sampler) -> None:
 
 # folded into a request's seed for its exit draws ('sample' mode), apart from vLLM's token draws
 EXIT_DRAW_SALT = 0xE417
-EXIT_MODES = ("none", "threshold", "sample")
 
 
 class EarlyExitPlan:
@@ -178,11 +178,13 @@ class JaxloopWorkerExtension:
         return _reply(load_seconds=time.perf_counter() - start)
 
     def jaxloop_set_depth(self, mode: str, threshold: float, num_loops: int) -> dict:
-        """Serve every following request with early exit `mode` (EXIT_MODES) and a loop budget
+        """Serve every following request with early exit `mode` (EARLY_EXIT_MODES) and a loop budget
         of `num_loops` (0: every loop), dropping what was recorded of earlier requests."""
         inner = self.model_runner.get_model().model
-        if mode not in EXIT_MODES:
-            return _reply(False, f"early_exit={mode!r}; expected one of {'/'.join(EXIT_MODES)}")
+        if mode not in EARLY_EXIT_MODES:
+            return _reply(
+                False, f"early_exit={mode!r}; expected one of {'/'.join(EARLY_EXIT_MODES)}"
+            )
         if mode != "none" and not inner.arch.early_exit_gate:
             return _reply(False, f"early_exit={mode} needs a model with an exit gate (Ouro)")
         if not 0 <= num_loops <= inner.arch.num_loops:
