@@ -10,7 +10,8 @@ Backends (`StagedPolicy.stats['staging_backend']`):
 - `torch_pinned`: torch pinned host buffers filled with `copy_(torch.from_dlpack(x),
   non_blocking=True)` and one synchronize per bucket (a CUDA device: pageable `device_get` runs
   at ~1.5 GB/s, pinned copies at ~54 GB/s on an H200). `torch` (pin_memory=False) is the same
-  loop on CPU arrays, for tests.
+  loop on CPU arrays, for tests. `auto` picks it on a GPU when torch has CUDA (else numpy,
+  with a warning).
 - `numpy`: the same bucket loop copying into reused numpy buffers (`np.copyto`).
 torch is imported only by the torch backends (the CPU default never imports it).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -32,6 +34,7 @@ import numpy as np
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.publication import _tensor_sha256  # the digest tensor_hashes uses
 
+logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "numpy", "torch", "torch_pinned")
 _ALIGN = 64  # bytes: every tensor's view starts on a cache line (and any dtype's alignment)
 
@@ -124,6 +127,7 @@ class HostStaging:
         self.hash_workers = hash_workers or max(1, min(8, os.cpu_count() or 1))
         self.cast_on_device = cast_on_device  # None: where device_cast_is_exact; False: never
         self.allocations = 0  # how many times buffers were allocated (1 while the layout holds)
+        self._warned = False
         self._layout_key: tuple | None = None
         self._buckets: list[list[_Slot]] = []
         self._host: list[np.ndarray] = []  # one uint8 buffer per bucket
@@ -133,7 +137,19 @@ class HostStaging:
     def _resolve_backend(self, device) -> str:
         if self.backend != "auto":
             return self.backend
-        return "torch_pinned" if device.platform in ("gpu", "cuda") else "numpy"
+        if device.platform not in ("gpu", "cuda"):
+            return "numpy"
+        try:  # pinned buffers need a CUDA build of torch beside jax
+            import torch
+
+            if torch.cuda.is_available():
+                return "torch_pinned"
+        except ImportError:
+            pass
+        if not self._warned:
+            self._warned = True
+            logger.warning("no CUDA torch: publication stages through pageable numpy buffers")
+        return "numpy"
 
     def _plan(self, flat, table, dtypes: Mapping[str, str]) -> list[list[_Slot]]:
         import jax.numpy as jnp
