@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
 from jaxloop.models.kv_cache import init_cache
-from jaxloop.models.looped import LoopedLM, project
+from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
@@ -131,6 +131,9 @@ def _generate(
     (else None; the program without them is the one it always was)."""
     temperature, top_p, top_k, greedy, early_exit, exit_threshold = sampling_key
     model = nnx.merge(graphdef, state)
+    cfg = model.config
+    if cfg.compute_dtype != cfg.param_dtype:  # one cast per call, not one per decode step
+        model = nnx.merge(graphdef, compute_dtype_state(state, cfg.compute_dtype))
     batch = prompt_ids.shape[0]
     cache = init_cache(model.config, batch, cache_len)
     cache = cache.replace(

@@ -223,3 +223,33 @@ def test_decode_step_updates_the_cache_in_place(num_loops):
     first_cache_arg = len(jax.tree.leaves(state)) + 1
     for output, arg in ((1, first_cache_arg), (2, first_cache_arg + 1)):
         assert f"{{{output}}}: ({arg}, {{}}" in aliases.group(1), aliases.group(1)
+
+
+@pytest.mark.parametrize("family", ["nanbeige", "ouro"])
+def test_compute_dtype_state_changes_no_result(family):
+    """fp32 parameters, bf16 compute: casting once (what the sampler's decode loop gets) gives
+    bitwise the forward's own per-use casts, prefill and a cached decode step alike; the
+    parameters the forward reads in float32 (the exit bias) stay as they are."""
+    from jaxloop.models.looped import compute_dtype_state
+
+    hf = tiny_hf_config(family, num_hidden_layers=2)
+    cfg = LoopedConfig.from_hf_dict(hf).replace(compute_dtype="bfloat16")
+    graphdef, state = nnx.split(LoopedLM(cfg, rngs=nnx.Rngs(0)))
+    cast = compute_dtype_state(state, "bfloat16")
+    flat = dict(nnx.to_flat_state(cast))
+    assert flat[("blocks", "q_proj")][...].dtype == jnp.bfloat16
+    assert flat[("lm_head",)][...].dtype == jnp.bfloat16
+    if family == "ouro":
+        assert flat[("exit_bias",)][...].dtype == jnp.float32
+
+    @jax.jit
+    def run(state, ids):
+        model = nnx.merge(graphdef, state)
+        out = model.forward(ids[:, :-1], cache=init_cache(cfg, ids.shape[0], ids.shape[1]))
+        step = model.forward(ids[:, -1:], cache=out.cache, return_loops=True)
+        return out.logits, step.logits, step.exit_probs
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 9)), jnp.int32)
+    for a, b in zip(run(state, ids), run(cast, ids), strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
