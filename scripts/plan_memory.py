@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -112,11 +113,15 @@ def plan_phases(learner, state, batch, off: set[str], model_cfg, gen_rows: int, 
     for name, (m, other) in phases.items():
         out[name] = {"phase_gb": _total(m) / 1e9, "resident_gb": other / 1e9}
         out[name]["total_gb"] = out[name]["phase_gb"] + out[name]["resident_gb"]
-    # generation (estimate): the actor parameters, what else stays on the device, and the KV
-    # cache of gen_rows x seq tokens in the compute dtype (loops x layers x 2 (k, v) per token)
+    # generation (estimate): the actor parameters, what else stays on the device, the KV cache
+    # of gen_rows x seq tokens in the compute dtype (loops x layers x 2 (k, v) per token) and,
+    # with parameters in another dtype, their compute-dtype copy the decode program makes
     c = model_cfg
     cache = 2 * c.num_loops * c.num_layers * gen_rows * seq * c.num_kv_heads * c.head_dim
-    cache *= jax.numpy.dtype(c.compute_dtype).itemsize
+    itemsize = jax.numpy.dtype(c.compute_dtype).itemsize
+    cache *= itemsize
+    if c.compute_dtype != c.param_dtype:  # the decode program's copy (compute_dtype_state)
+        cache += sum(math.prod(x.shape) for x in jax.tree.leaves(state.actor_params)) * itemsize
     out["generate"] = {"phase_gb": cache / 1e9, "resident_gb": resident() / 1e9}
     out["generate"]["total_gb"] = out["generate"]["phase_gb"] + out["generate"]["resident_gb"]
     return out
