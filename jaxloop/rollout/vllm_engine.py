@@ -126,6 +126,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         early_exit = self._set_depth(sampling)
+        loops = int(sampling.num_loops or self.num_loops)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self._sampling_params(sampling, r.seed) for r in requests]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
@@ -144,9 +145,8 @@ class VLLMEngine:
             sample = Sample.from_request(
                 req, ids, logprobs, completion.finish_reason, self._version
             )
-            sample.extras["loop_budget"] = int(sampling.num_loops or self.num_loops)
+            sample.extras["loop_budget"] = loops
             if exits is not None:
-                loops = int(sampling.num_loops or self.num_loops)
                 depths, exit_lps = self._response_exits(exits, out.request_id, req, len(ids), loops)
                 sample.extras["response_depths"] = depths
                 sample.extras["response_exit_logprobs"] = exit_lps

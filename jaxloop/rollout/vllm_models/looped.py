@@ -8,7 +8,7 @@ flat list, `model.loop_attn.{loop * num_layers + layer}`: vLLM derives each cach
 from the single integer in that name. `model.norm` is applied after every loop (Nanbeige with
 `skip_loop_final_norm=true`: after the last only). Ouro blocks use sandwich norms, run all
 `total_ut_steps` steps at full depth unless the worker extension sets an early-exit plan
-(`LoopedModel.exit_plan`, jaxloop_set_early_exit): then a response token exits at the first
+(`LoopedModel.exit_plan`, jaxloop_set_depth): then a response token exits at the first
 loop whose cumulative exit probability (the gate's distribution) reaches its threshold (the
 configured one, or a seeded uniform draw in 'sample' mode), is frozen from then on, and shows
 the keys / values of its exit loop to every deeper loop's cache (LAST_EXITED, the semantics of
