@@ -209,9 +209,14 @@ DESCRIPTIONS = {
     "micro_batch_size": "samples per forward/backward pass (gradients are accumulated)",
     "updates_per_rollout": "optimizer steps per rollout batch (its mini-batches); 0: the "
     "algorithm's default (flow_dppo 2, else 1)",
-    "checkpoint_every": "checkpoint every N updates (and after this process's last update)",
+    "checkpoint_every": (
+        "checkpoint every N updates (and after this process's last update); 0: only after the last"
+    ),
     "keep_checkpoints": "checkpoints kept (older ones are deleted)",
-    "eval_every": "greedy evaluation on held-out prompts every N updates (and after the last)",
+    "eval_every": (
+        "greedy evaluation on held-out prompts every N updates (and after the last); 0: only after "
+        "the last"
+    ),
     "eval_prompts": "held-out prompts per evaluation",
     "progress": "progress bar on a terminal (not a terminal: one line at the end)",
     "verbose": "show every engine, Ray and vLLM log line (overrides rollout.engine_log_level)",
@@ -602,6 +607,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("total_updates", "prompts_per_update", "micro_batch_size", "n_samples_per_prompt"):
         if cfg[key] < 1:
             raise UsageError(f"{key} must be >= 1 (got {cfg[key]})")
+    for key in ("eval_every", "checkpoint_every"):
+        if cfg[key] < 0:
+            raise UsageError(f"{key} must be >= 0 (got {cfg[key]}; 0: only after the last update)")
     if cfg.updates_per_rollout < 0:
         raise UsageError(f"updates_per_rollout must be >= 0 (got {cfg.updates_per_rollout})")
     if cfg.critic.steps_per_rollout < 1:

@@ -514,7 +514,7 @@ class Trainer:
             for update in range(self.start_update, stop_at):
                 self.one_update(update, last, bar)
                 done = update + 1
-                if done % cfg.checkpoint_every == 0 or done == stop_at:
+                if done == stop_at or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     self.checkpointer.save(
                         self.state,
                         {
@@ -535,7 +535,7 @@ class Trainer:
         cfg = self.cfg
         metrics = {"policy_version": float(self.version)}
         t0 = time.perf_counter()
-        if update % cfg.eval_every == 0:
+        if cfg.eval_every and update % cfg.eval_every == 0:
             metrics["eval_reward"] = self.producer.evaluate()
         t_generate = time.perf_counter()
         samples, stats = self.pipeline.take(update)

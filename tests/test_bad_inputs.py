@@ -238,6 +238,18 @@ CATALOGUE = [
         dry=True,
     ),
     Row(
+        "negative evaluation interval",
+        _args("--config.eval_every=-1"),
+        "eval_every must be >= 0",
+        dry=True,
+    ),
+    Row(
+        "negative checkpoint interval",
+        _args("--config.checkpoint_every=-5"),
+        "checkpoint_every must be >= 0",
+        dry=True,
+    ),
+    Row(
         "negative rollout staleness",
         _args("--config.rollout.max_staleness=-1"),
         "rollout.max_staleness must be >= 0",

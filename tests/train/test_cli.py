@@ -175,6 +175,21 @@ def nan_for_odd_seeds(response: str, label: str) -> float:
     return float("nan") if response and ord(response[0]) % 2 else 1.0
 
 
+def test_zero_intervals_evaluate_and_checkpoint_only_after_the_last_update(tmp_path, capsys):
+    """eval_every=0 and checkpoint_every=0: no periodic evaluation or checkpoint, only the final
+    ones (the summary copes with a run that has no periodic eval_reward)."""
+    run_dir = tmp_path / "run"
+    args = ["--config", "grpo.py", *TINY, f"--config.run_dir={run_dir}"]
+    args += ["--config.total_updates=3", "--config.eval_every=0", "--config.checkpoint_every=0"]
+    assert main(args) == 0
+    rows = read_rows(run_dir)
+    assert [r["update"] for r in rows] == [0, 1, 2]
+    assert not any("eval_reward" in r for r in rows)
+    assert "final_eval_reward" in rows[-1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["3"]
+    assert "final eval reward" in capsys.readouterr().err
+
+
 def test_nan_rewards_dropped_and_counted(tmp_path):
     rows = run_train(
         tmp_path / "run",
