@@ -286,16 +286,17 @@ def looped_forward(
             new_last = (k, v)
         if kv_cache is not None:
             k_all, v_all, loop_index, layer_index = kv_cache
-            k_all, k = _write_and_read_slot(k_all, k, loop_index, layer_index, cache.index)
-            v_all, v = _write_and_read_slot(v_all, v, loop_index, layer_index, cache.index)
+            k_all = _write_slot(k_all, k, loop_index, layer_index, cache.index)
+            v_all = _write_slot(v_all, v, loop_index, layer_index, cache.index)
             new_cache_kv = (k_all, v_all)
-            k, v = k.astype(cdt), v.astype(cdt)
+            slot = (k_all, v_all, loop_index, layer_index)
+            attn = _attend_filled_slots(q, slot, mask, cache.index + s, cdt)
         else:
             new_cache_kv = None
-        if use_cudnn:
-            attn = L.cudnn_causal_attention(q, k, v)
-        else:
-            attn = L.grouped_attention(q, k, v, mask)
+            if use_cudnn:
+                attn = L.cudnn_causal_attention(q, k, v)
+            else:
+                attn = L.grouped_attention(q, k, v, mask)
         o = jnp.einsum("bshd,hde->bse", attn, w["o_proj"])
         if cfg.sandwich_norm:
             o = L.rms_norm(o, w["attn_out_norm"], eps)
@@ -399,16 +400,45 @@ def looped_forward(
     )
 
 
-def _write_and_read_slot(full, new, loop_index, layer_index, index):
+def _write_slot(full, new, loop_index, layer_index, index):
     """Write `new` [B, S, kv_heads, head_dim] at token slot `index` of cache slot
-    [loop_index, layer_index] of `full` [loops, layers, B, T, kv_heads, head_dim], in place, and
-    return (updated full, that slot [B, T, kv_heads, head_dim] after the write)."""
+    [loop_index, layer_index] of `full` [loops, layers, B, T, kv_heads, head_dim], in place."""
     start = (loop_index, layer_index, 0, index, 0, 0)
-    full = jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], start)
-    slot = jax.lax.dynamic_slice(
-        full, (loop_index, layer_index, 0, 0, 0, 0), (1, 1, *full.shape[2:])
-    )
-    return full, slot[0, 0]
+    return jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], start)
+
+
+def read_lengths(max_length: int) -> tuple[int, ...]:
+    """The token lengths a cached attention reads (ascending, the last is the whole cache): a
+    quarter of it at a time, rounded up to 8, for caches of 32 slots and more."""
+    if max_length < 32:
+        return (max_length,)
+    quarters = (-(-max_length * i // 4) for i in range(1, 4))
+    return (*sorted({min(max_length, -(-n // 8) * 8) for n in quarters} - {max_length}), max_length)
+
+
+def _attend_filled_slots(q, slot, mask, filled, cdt):
+    """Attention of q [B, S, H, D] over the first `filled` token slots of cache slot
+    [loop, layer] (slot = (k_all, v_all, loop_index, layer_index)): it reads the shortest of
+    read_lengths(T) that holds them, so a decode step early in a generation does not read, or
+    attend over, the empty rest of the cache. The slots past `filled` are masked for every row,
+    so the result is the whole-cache attention's (up to the order of the softmax sums)."""
+    k_all, v_all, loop_index, layer_index = slot
+    lengths = read_lengths(k_all.shape[3])
+
+    def attend(length):
+        def run(q, k_all, v_all, mask):
+            start = (loop_index, layer_index, 0, 0, 0, 0)
+            size = (1, 1, k_all.shape[2], length, *k_all.shape[4:])
+            k = jax.lax.dynamic_slice(k_all, start, size)[0, 0].astype(cdt)
+            v = jax.lax.dynamic_slice(v_all, start, size)[0, 0].astype(cdt)
+            return L.grouped_attention(q, k, v, mask[..., :length])
+
+        return run
+
+    if len(lengths) == 1:
+        return attend(lengths[0])(q, k_all, v_all, mask)
+    branch = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), filled)
+    return jax.lax.switch(branch, [attend(n) for n in lengths], q, k_all, v_all, mask)
 
 
 def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:

@@ -202,7 +202,7 @@ def test_decode_step_updates_the_cache_in_place(num_loops):
     step (and a loop budget wrote the K new loops back with a full-cache update)."""
     cfg = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_loops=2))
     graphdef, state = nnx.split(LoopedLM(cfg, rngs=nnx.Rngs(0)))
-    batch, length = 8, 24
+    batch, length = 8, 40  # >= 32: the step reads the cache through read_lengths' branches
     cache = init_cache(cfg, batch, length)
 
     def step(state, token, cache):
@@ -253,3 +253,31 @@ def test_compute_dtype_state_changes_no_result(family):
     for a, b in zip(run(state, ids), run(cast, ids), strict=True):
         if a is not None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_decode_across_every_read_length_matches_the_full_forward(tmp_path):
+    """A 40-slot cache is read in lengths 16 / 24 / 32 / 40 (read_lengths): a left-padded prompt
+    of 5 and 31 decode steps cross each of them, and every step's logits (every loop's) equal
+    the full-sequence forward's, as does the float64 reference's last loop."""
+    from jaxloop.models.looped import read_lengths
+
+    length, prompt, total = 40, 5, 36
+    assert read_lengths(length) == (16, 24, 32, 40)
+    hf, tensors = write_random_checkpoint(tmp_path, "nanbeige", seed=5, num_loops=2)
+    model = load_hf(tmp_path, dtype="float32")
+    ids = random_ids(hf["vocab_size"], (2, total), 5)
+    mask = padded_mask(2, total, [0, 3], [0, 0])
+    full = jit_forward(model)(ids, mask)
+    step = jit_cached_forward(model)
+    out = step(ids[:, :prompt], mask[:, :prompt], init_cache(model.config, 2, length))
+    cache, loop_logits = out.cache, [np.asarray(out.loop_logits)]
+    for t in range(prompt, total):
+        out = step(ids[:, t : t + 1], mask[:, t : t + 1], cache)
+        cache = out.cache
+        loop_logits.append(np.asarray(out.loop_logits))
+    got = np.concatenate(loop_logits, axis=2)  # [loops, B, total, V]
+    keep = mask.astype(bool)
+    want = np.asarray(full.loop_logits)
+    check_rel("decode vs full forward", got[:, keep], want[:, keep], FP32_REL_TOL)
+    ref = reference_forward(tensors, hf, ids, attention_mask=mask)
+    check_rel("decode vs float64", got[-1][keep], ref["logits"].numpy()[keep], FP32_REL_TOL)
