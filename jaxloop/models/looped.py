@@ -290,7 +290,7 @@ def looped_forward(
             v_all = _write_slot(v_all, v, loop_index, layer_index, cache.index)
             new_cache_kv = (k_all, v_all)
             slot = (k_all, v_all, loop_index, layer_index)
-            attn = _attend_filled_slots(q, slot, mask, cache.index + s, cdt)
+            attn = _attend_slot(q, slot, mask, cache.attended_length, cdt)
         else:
             new_cache_kv = None
             if use_cudnn:
@@ -368,7 +368,7 @@ def looped_forward(
     new_cache = None
     if cache is not None:
         new_k, new_v = new_kv
-        new_cache = KVCache(k=new_k, v=new_v, valid=valid, index=cache.index + s)
+        new_cache = cache.replace(k=new_k, v=new_v, valid=valid, index=cache.index + s)
 
     hidden = h if logits_slice is None else h[:, logits_slice]
     logits = values = loop_logits = exit_probs = None
@@ -407,38 +407,15 @@ def _write_slot(full, new, loop_index, layer_index, index):
     return jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], start)
 
 
-def read_lengths(max_length: int) -> tuple[int, ...]:
-    """The token lengths a cached attention reads (ascending, the last is the whole cache): a
-    quarter of it at a time, rounded up to 8, for caches of 32 slots and more."""
-    if max_length < 32:
-        return (max_length,)
-    quarters = (-(-max_length * i // 4) for i in range(1, 4))
-    return (*sorted({min(max_length, -(-n // 8) * 8) for n in quarters} - {max_length}), max_length)
-
-
-def _attend_filled_slots(q, slot, mask, filled, cdt):
-    """Attention of q [B, S, H, D] over the first `filled` token slots of cache slot
-    [loop, layer] (slot = (k_all, v_all, loop_index, layer_index)): it reads the shortest of
-    read_lengths(T) that holds them, so a decode step early in a generation does not read, or
-    attend over, the empty rest of the cache. The slots past `filled` are masked for every row,
-    so the result is the whole-cache attention's (up to the order of the softmax sums)."""
+def _attend_slot(q, slot, mask, length, cdt):
+    """Attention of q [B, S, H, D] over the first `length` (static) token slots of cache slot
+    [loop, layer] (slot = (k_all, v_all, loop_index, layer_index); KVCache.read_length)."""
     k_all, v_all, loop_index, layer_index = slot
-    lengths = read_lengths(k_all.shape[3])
-
-    def attend(length):
-        def run(q, k_all, v_all, mask):
-            start = (loop_index, layer_index, 0, 0, 0, 0)
-            size = (1, 1, k_all.shape[2], length, *k_all.shape[4:])
-            k = jax.lax.dynamic_slice(k_all, start, size)[0, 0].astype(cdt)
-            v = jax.lax.dynamic_slice(v_all, start, size)[0, 0].astype(cdt)
-            return L.grouped_attention(q, k, v, mask[..., :length])
-
-        return run
-
-    if len(lengths) == 1:
-        return attend(lengths[0])(q, k_all, v_all, mask)
-    branch = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), filled)
-    return jax.lax.switch(branch, [attend(n) for n in lengths], q, k_all, v_all, mask)
+    start = (loop_index, layer_index, 0, 0, 0, 0)
+    size = (1, 1, k_all.shape[2], length, *k_all.shape[4:])
+    k = jax.lax.dynamic_slice(k_all, start, size)[0, 0].astype(cdt)
+    v = jax.lax.dynamic_slice(v_all, start, size)[0, 0].astype(cdt)
+    return L.grouped_attention(q, k, v, mask[..., :length])
 
 
 def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import expand, hf_shape, to_param
-from jaxloop.models.kv_cache import init_cache
+from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rollout.api import NotPublishedError, PublicationError
@@ -134,10 +134,12 @@ def _generate(
     cfg = model.config
     if cfg.compute_dtype != cfg.param_dtype:  # one cast per call, not one per decode step
         model = nnx.merge(graphdef, compute_dtype_state(state, cfg.compute_dtype))
-    batch = prompt_ids.shape[0]
+    batch, prompt_len = prompt_ids.shape
     cache = init_cache(model.config, batch, cache_len)
     cache = cache.replace(
-        k=shd.constrain(cache.k, CACHE_AXES), v=shd.constrain(cache.v, CACHE_AXES)
+        k=shd.constrain(cache.k, CACHE_AXES),
+        v=shd.constrain(cache.v, CACHE_AXES),
+        read_length=read_length_for(cache_len, prompt_len),
     )
     if loop_logprobs:  # only the last position's loop logits: no [L, B, S, V]
         out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache, return_loops=True)
@@ -219,9 +221,18 @@ def _generate(
     # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
     # already); the last step's forward is wasted work, kept for one uniform compiled body (it
     # also gives the last token its depth)
-    _, _, _, _, tokens, logprobs, loop_lps, depths, exit_lps, _ = jax.lax.while_loop(
-        lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[-1]), body, carry
-    )
+    # decode step `step` writes slot prompt_len + step: one while loop per read length, each
+    # running the steps whose filled slots it holds (a static length per compiled body; no
+    # branch inside a step)
+    first = 0
+    for length in read_lengths(cache_len):
+        end = min(max_new_tokens, length - prompt_len)
+        if end <= first:
+            continue
+        carry = (*carry[:1], carry[1].replace(read_length=length), *carry[2:])
+        carry = jax.lax.while_loop(lambda c, end=end: (c[0] < end) & ~jnp.all(c[-1]), body, carry)
+        first = end
+    _, _, _, _, tokens, logprobs, loop_lps, depths, exit_lps, _ = carry
     return tokens, logprobs, depths, exit_lps, loop_lps
 
 

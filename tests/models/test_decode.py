@@ -17,6 +17,7 @@ import torch
 from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, init_cache, load_hf, tiny_hf_config
+from jaxloop.models.kv_cache import read_length_for, read_lengths
 from tests.models.helpers import (
     FP32_REL_TOL,
     check_rel,
@@ -202,8 +203,8 @@ def test_decode_step_updates_the_cache_in_place(num_loops):
     step (and a loop budget wrote the K new loops back with a full-cache update)."""
     cfg = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_loops=2))
     graphdef, state = nnx.split(LoopedLM(cfg, rngs=nnx.Rngs(0)))
-    batch, length = 8, 40  # >= 32: the step reads the cache through read_lengths' branches
-    cache = init_cache(cfg, batch, length)
+    batch, length = 8, 40
+    cache = init_cache(cfg, batch, length).replace(read_length=16)  # reads 16 of 40 slots
 
     def step(state, token, cache):
         model = nnx.merge(graphdef, state)
@@ -256,11 +257,10 @@ def test_compute_dtype_state_changes_no_result(family):
 
 
 def test_decode_across_every_read_length_matches_the_full_forward(tmp_path):
-    """A 40-slot cache is read in lengths 16 / 24 / 32 / 40 (read_lengths): a left-padded prompt
-    of 5 and 31 decode steps cross each of them, and every step's logits (every loop's) equal
-    the full-sequence forward's, as does the float64 reference's last loop."""
-    from jaxloop.models.looped import read_lengths
-
+    """A 40-slot cache read as the sampler reads it (KVCache.read_length: 16 / 24 / 32 / 40, the
+    shortest that holds the filled slots): a left-padded prompt of 5 and 31 decode steps cross
+    each length, and every step's logits (every loop's) equal the full-sequence forward's, the
+    last loop's also the float64 reference's."""
     length, prompt, total = 40, 5, 36
     assert read_lengths(length) == (16, 24, 32, 40)
     hf, tensors = write_random_checkpoint(tmp_path, "nanbeige", seed=5, num_loops=2)
@@ -269,12 +269,16 @@ def test_decode_across_every_read_length_matches_the_full_forward(tmp_path):
     mask = padded_mask(2, total, [0, 3], [0, 0])
     full = jit_forward(model)(ids, mask)
     step = jit_cached_forward(model)
-    out = step(ids[:, :prompt], mask[:, :prompt], init_cache(model.config, 2, length))
-    cache, loop_logits = out.cache, [np.asarray(out.loop_logits)]
+    cache = init_cache(model.config, 2, length).replace(read_length=16)
+    out = step(ids[:, :prompt], mask[:, :prompt], cache)
+    cache, loop_logits, read = out.cache, [np.asarray(out.loop_logits)], {16}
     for t in range(prompt, total):
+        cache = cache.replace(read_length=read_length_for(length, t + 1))
+        read.add(cache.read_length)
         out = step(ids[:, t : t + 1], mask[:, t : t + 1], cache)
         cache = out.cache
         loop_logits.append(np.asarray(out.loop_logits))
+    assert read == {16, 24, 32, 40}
     got = np.concatenate(loop_logits, axis=2)  # [loops, B, total, V]
     keep = mask.astype(bool)
     want = np.asarray(full.loop_logits)

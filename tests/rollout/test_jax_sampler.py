@@ -9,6 +9,7 @@ from flax import nnx
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import iter_hf_tensors
+from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import token_logprobs
 from jaxloop.rollout.api import NotPublishedError, PublicationError
@@ -52,6 +53,27 @@ def test_logprobs_equal_trainer_recompute(engine):
     )
     diff = np.abs(np.asarray(lp) - arrays.behav_logprobs) * arrays.response_mask
     assert arrays.response_mask.sum() >= len(samples)
+    assert diff.max() <= 3e-6, diff.max()
+
+
+def test_long_generation_through_every_read_length_equals_trainer_recompute(engine):
+    """40 new tokens after a prompt bucket of 8: a 48-slot cache, decoded in four while loops
+    that read 16 / 24 / 40 / 48 slots (kv_cache.read_lengths); every token's log-prob equals the
+    trainer's whole-sequence recompute (3e-6)."""
+    sampling = SamplingConfig(temperature=T, max_new_tokens=40)
+    assert read_lengths(8 + 40) == (16, 24, 40, 48)
+    samples = engine.generate(_requests(), sampling)
+    assert all(len(s.response_ids) == 40 for s in samples)
+    arrays = RolloutBatch.from_samples(samples, [0.0] * len(samples))
+    graphdef, state = nnx.split(engine.model)
+    lp, _ = token_logprobs(
+        graphdef,
+        state.to_pure_dict(),
+        jnp.asarray(arrays.tokens),
+        jnp.asarray(arrays.attention_mask),
+        T,
+    )
+    diff = np.abs(np.asarray(lp) - arrays.behav_logprobs) * arrays.response_mask
     assert diff.max() <= 3e-6, diff.max()
 
 
