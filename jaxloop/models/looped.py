@@ -259,11 +259,12 @@ def looped_forward(
         use_cudnn = cfg.attention_impl == "cudnn" and segment_ids is None
         valid = None
     else:
-        t = cache.max_length
+        # the mask spans the slots attention reads (KVCache.read_length), not the whole cache
+        t = cache.attended_length
         valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
         slots = jnp.arange(t)
         query_slots = cache.index + jnp.arange(s)
-        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
+        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :t]
         use_cudnn = False
 
     def layer(h, w, kv_cache, last_kv, active):
@@ -409,13 +410,14 @@ def _write_slot(full, new, loop_index, layer_index, index):
 
 def _attend_slot(q, slot, mask, length, cdt):
     """Attention of q [B, S, H, D] over the first `length` (static) token slots of cache slot
-    [loop, layer] (slot = (k_all, v_all, loop_index, layer_index); KVCache.read_length)."""
+    [loop, layer] (slot = (k_all, v_all, loop_index, layer_index); KVCache.read_length); mask
+    [B, S, length]."""
     k_all, v_all, loop_index, layer_index = slot
     start = (loop_index, layer_index, 0, 0, 0, 0)
     size = (1, 1, k_all.shape[2], length, *k_all.shape[4:])
     k = jax.lax.dynamic_slice(k_all, start, size)[0, 0].astype(cdt)
     v = jax.lax.dynamic_slice(v_all, start, size)[0, 0].astype(cdt)
-    return L.grouped_attention(q, k, v, mask[..., :length])
+    return L.grouped_attention(q, k, v, mask)
 
 
 def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:

@@ -218,12 +218,11 @@ def _generate(
     done = jnp.zeros((batch,), jnp.bool_)
     carry = (jnp.int32(0), out.cache, last_logits, last_loop_logits, tokens, logprobs, loop_lps)
     carry = carry + (depths, exit_lps, done)
-    # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
-    # already); the last step's forward is wasted work, kept for one uniform compiled body (it
-    # also gives the last token its depth)
     # decode step `step` writes slot prompt_len + step: one while loop per read length, each
     # running the steps whose filled slots it holds (a static length per compiled body; no
-    # branch inside a step)
+    # branch inside a step). Each stops as soon as every row has finished (finished rows write
+    # 0s, which the buffers hold already); the last step's forward is wasted work, kept so that
+    # every step has the same body (it also gives the last token its depth)
     first = 0
     for length in read_lengths(cache_len):
         end = min(max_new_tokens, length - prompt_len)

@@ -38,10 +38,9 @@ def _requests(n=6, seed0=100):
     ]
 
 
-def test_logprobs_equal_trainer_recompute(engine):
-    sampling = SamplingConfig(temperature=T, max_new_tokens=6, stop_token_ids=(2,))
-    samples = engine.generate(_requests(), sampling)
-    assert all(s.policy_version == 7 for s in samples)
+def _diff_to_trainer_recompute(engine, samples):
+    """|engine log-prob - the trainer's whole-sequence recompute| per response token, and the
+    batch the samples make."""
     arrays = RolloutBatch.from_samples(samples, [0.0] * len(samples))
     graphdef, state = nnx.split(engine.model)
     lp, _ = token_logprobs(
@@ -51,7 +50,14 @@ def test_logprobs_equal_trainer_recompute(engine):
         jnp.asarray(arrays.attention_mask),
         T,
     )
-    diff = np.abs(np.asarray(lp) - arrays.behav_logprobs) * arrays.response_mask
+    return np.abs(np.asarray(lp) - arrays.behav_logprobs) * arrays.response_mask, arrays
+
+
+def test_logprobs_equal_trainer_recompute(engine):
+    sampling = SamplingConfig(temperature=T, max_new_tokens=6, stop_token_ids=(2,))
+    samples = engine.generate(_requests(), sampling)
+    assert all(s.policy_version == 7 for s in samples)
+    diff, arrays = _diff_to_trainer_recompute(engine, samples)
     assert arrays.response_mask.sum() >= len(samples)
     assert diff.max() <= 3e-6, diff.max()
 
@@ -64,16 +70,7 @@ def test_long_generation_through_every_read_length_equals_trainer_recompute(engi
     assert read_lengths(8 + 40) == (16, 24, 40, 48)
     samples = engine.generate(_requests(), sampling)
     assert all(len(s.response_ids) == 40 for s in samples)
-    arrays = RolloutBatch.from_samples(samples, [0.0] * len(samples))
-    graphdef, state = nnx.split(engine.model)
-    lp, _ = token_logprobs(
-        graphdef,
-        state.to_pure_dict(),
-        jnp.asarray(arrays.tokens),
-        jnp.asarray(arrays.attention_mask),
-        T,
-    )
-    diff = np.abs(np.asarray(lp) - arrays.behav_logprobs) * arrays.response_mask
+    diff, _ = _diff_to_trainer_recompute(engine, samples)
     assert diff.max() <= 3e-6, diff.max()
 
 
