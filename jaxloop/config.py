@@ -135,6 +135,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.lr = 1e-3
     c.critic.steps_per_rollout = 1
     c.critic.loss_scale = 1.0  # value loss = loss_scale * max((V_clip - R)^2, (V - R)^2)
+    # the first N updates train only the critic (slime --num-critic-only-steps, verl
+    # trainer.critic_warmup): the actor, its optimizer state and the policy version stay
+    c.critic.warmup_updates = 0
 
     c.algo = ml_collections.ConfigDict()
     c.algo.clip_eps = 0.2
@@ -148,8 +151,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.flow_delta = 0.01
     c.algo.value_clip = 0.2
     c.algo.gamma = 1.0
-    c.algo.lam = 0.95
-    c.algo.whiten_advantages = True
+    c.algo.lam = 1.0  # slime --lambd 1.0, verl lam 1.0
+    c.algo.whiten_advantages = False  # slime: --normalize-advantages off
     c.algo.grpo_use_std = True
     # per-loop credit: the policy loss is sum_t w_t loss_t over loop t's logits (last: the last
     # loop only)
@@ -171,6 +174,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.dist.coordinator_address = ""
     c.dist.num_processes = 0
     c.dist.process_id = -1
+
+    # supervised fine-tuning: `python -m jaxloop.sft` and the warm start of a training run
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 300  # jaxloop.sft: optimizer steps of the whole run
+    c.sft.batch_size = 64  # {prompt, label} examples per step
+    c.sft.lr = 3e-3  # constant (optim.name, b1, b2, grad_clip, weight_decay are shared)
+
+    c.warm_start = ml_collections.ConfigDict()
+    c.warm_start.sft_steps = 0  # >0: this many SFT steps on the train split before update 0
 
     c.draft_features = ml_collections.ConfigDict()
     c.draft_features.enabled = False
@@ -194,6 +206,8 @@ SECTIONS = {
     "offload": "what rests in pinned host memory while the phase of an update at work does not "
     "use it",
     "learner": "how the learner lays out a batch for its forward and backward passes",
+    "sft": "supervised fine-tuning (python -m jaxloop.sft, and warm_start)",
+    "warm_start": "supervised steps before the first RL update of a fresh run",
     "draft_features": "saving LM-head input hidden states for draft-model training",
 }
 
@@ -303,6 +317,9 @@ DESCRIPTIONS = {
     "critic.lr": "critic learning rate (constant)",
     "critic.steps_per_rollout": "critic optimizer steps per rollout batch",
     "critic.loss_scale": "factor of the clipped squared value error (0.5: the 1/2 convention)",
+    "critic.warmup_updates": "the first N updates train only the critic (actor, its optimizer "
+    "state and the policy version unchanged; samples still generated); slime "
+    "--num-critic-only-steps, verl trainer.critic_warmup",
     "algo.clip_eps": "PPO ratio clip (both sides unless clip_eps_high)",
     "algo.clip_eps_high": "upper ratio clip (clip-higher); <0: clip_eps",
     "algo.dual_clip": "dual-clip bound (> 1) for negative advantages; <0: off",
@@ -316,8 +333,9 @@ DESCRIPTIONS = {
     "blocked",
     "algo.value_clip": "critic: clip of the new values around the old ones; <0: off",
     "algo.gamma": "GAE discount",
-    "algo.lam": "GAE lambda",
-    "algo.whiten_advantages": "whiten GAE advantages over the batch",
+    "algo.lam": "GAE lambda (default 1.0: slime --lambd, verl)",
+    "algo.whiten_advantages": "whiten GAE advantages over the batch (default off: slime "
+    "--normalize-advantages)",
     "algo.grpo_use_std": "grpo: divide advantages by the group std (false: Dr.GRPO)",
     "algo.loop_credit": "policy loss over loops, sum_t w_t loss_t of loop t's logits: last (the "
     "last loop only) | uniform (w_t = 1/L) | progressive (w_t ~ t + 1) | exit_pdf (Ouro's exit "
@@ -334,6 +352,14 @@ DESCRIPTIONS = {
     "environment says)",
     "dist.num_processes": "processes in the job (0: one, or detected)",
     "dist.process_id": "this process's index (-1: detected)",
+    "sft.steps": "jaxloop.sft: optimizer steps of the run (eval_every / checkpoint_every count "
+    "these steps)",
+    "sft.batch_size": "{prompt, label} examples per SFT step (loss on the answer tokens and EOS)",
+    "sft.lr": "SFT learning rate (constant; optim.name / b1 / b2 / grad_clip / weight_decay "
+    "shared with the actor's optimizer)",
+    "warm_start.sft_steps": ">0: this many SFT steps (sft.batch_size, sft.lr) on the task's "
+    "train split before update 0 of a fresh run (recorded in the checkpoint: a resume never "
+    "repeats it); the critic and reference copy the warm-started actor",
     "draft_features.enabled": "save features to <run_dir>/draft_features/ every update",
     "draft_features.max_tokens_per_update": "feature rows per update at most",
     "draft_features.max_bytes": "feature bytes of the whole run at most",
@@ -591,6 +617,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"{cfg.algorithm} needs n_samples_per_prompt >= 2 (got {cfg.n_samples_per_prompt}): "
             "group-normalised advantages are undefined for one sample"
         )
+    if cfg.critic.warmup_updates > 0 and not ALGORITHMS[cfg.algorithm].uses_critic:
+        raise UsageError(
+            f"critic.warmup_updates={cfg.critic.warmup_updates} with {cfg.algorithm}: it has no "
+            "critic to warm up"
+        )
     if cfg.rollout.engine not in ("jax", "vllm"):
         raise UsageError(f"rollout.engine={cfg.rollout.engine!r}; expected 'jax' or 'vllm'")
     if cfg.model.preset:
@@ -612,6 +643,21 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             raise UsageError(f"{key} must be >= 0 (got {cfg[key]}; 0: only after the last update)")
     if cfg.updates_per_rollout < 0:
         raise UsageError(f"updates_per_rollout must be >= 0 (got {cfg.updates_per_rollout})")
+    for key in ("steps", "batch_size"):
+        if cfg.sft[key] < 1:
+            raise UsageError(f"sft.{key} must be >= 1 (got {cfg.sft[key]})")
+    if not cfg.sft.lr > 0:
+        raise UsageError(f"sft.lr must be > 0 (got {cfg.sft.lr})")
+    if cfg.warm_start.sft_steps < 0:
+        raise UsageError(f"warm_start.sft_steps must be >= 0 (got {cfg.warm_start.sft_steps})")
+    if cfg.warm_start.sft_steps > 0 and cfg.rollout.engine != "jax":
+        raise UsageError(
+            "warm_start.sft_steps needs rollout.engine=jax (the warm start evaluates with the "
+            "embedded sampler); run python -m jaxloop.sft and pass its run dir as "
+            "model.init_checkpoint instead"
+        )
+    if cfg.critic.warmup_updates < 0:
+        raise UsageError(f"critic.warmup_updates must be >= 0 (got {cfg.critic.warmup_updates})")
     if cfg.critic.steps_per_rollout < 1:
         raise UsageError(
             f"critic.steps_per_rollout must be >= 1 (got {cfg.critic.steps_per_rollout})"

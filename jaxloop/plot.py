@@ -24,6 +24,8 @@ DEFAULT_KEYS = (
     "value_loss",
     "grad_norm",
     "tokens_per_s",
+    "sft_loss",  # jaxloop.sft
+    "eval_accuracy",
 )
 
 

@@ -54,12 +54,15 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tuple[str, str]]:
+def summary_rows(
+    rows: list[dict], start_update: int, wall_s: float, eval_key: str = "eval_reward"
+) -> list[tuple[str, str]]:
     """(label, value) of the summary table. `rows`: every metrics row of the run dir (earlier
-    processes included); "this process" = rows with update >= start_update."""
+    processes included); "this process" = rows with update >= start_update. `eval_key`: the
+    evaluation metric (jaxloop.sft: eval_accuracy)."""
     mine = [r for r in rows if r["update"] >= start_update]
-    evals = [(r["update"], v) for r in rows for v in _values([r], "eval_reward")]
-    finals = _values(rows[-1:], "final_eval_reward")
+    evals = [(r["update"], v) for r in rows for v in _values([r], eval_key)]
+    finals = _values(rows[-1:], f"final_{eval_key}")
     final = finals[0] if finals else (evals[-1][1] if evals else None)
     best = max((v for _, v in evals), default=None)
     if finals:
@@ -71,10 +74,17 @@ def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tup
     skipped = _values(mine, "skipped_updates")  # the run's running count (0 when absent)
     first = mine[0]["update"] if mine else start_update
     last = mine[-1]["update"] + 1 if mine else start_update
+    label = eval_key.replace("_", " ")
+    warm = [
+        (f"{name} ({key})", _fmt(rows[0].get(f"warm_start_{key}")))
+        for name, key in (("warm start eval", "eval_before"), ("warm start eval", "eval_after"))
+        if rows and rows[0].get(f"warm_start_{key}") is not None
+    ]
     return [
         ("updates this process", f"{len(mine)} (updates {first} -> {last})"),
-        ("final eval reward", _fmt(final)),
-        ("best eval reward", _fmt(best)),
+        *warm,
+        (f"final {label}", _fmt(final)),
+        (f"best {label}", _fmt(best)),
         (
             f"mean reward, last {min(LAST_N, len(rows))} updates",
             _fmt(sum(recent) / len(recent) if recent else None),
@@ -86,7 +96,9 @@ def summary_rows(rows: list[dict], start_update: int, wall_s: float) -> list[tup
     ] + ([("manager restarts", f"{int(max(managers))}")] if managers else [])
 
 
-def finish_report(run_dir: str | Path, start_update: int, wall_s: float, total: int) -> str:
+def finish_report(
+    run_dir: str | Path, start_update: int, wall_s: float, total: int, eval_key: str = "eval_reward"
+) -> str:
     """Write curves.png and return the summary table with the output paths."""
     from jaxloop.plot import PlotError, plot_run
 
@@ -102,7 +114,7 @@ def finish_report(run_dir: str | Path, start_update: int, wall_s: float, total: 
     except Exception as err:  # plotting must never fail a finished run
         curves = f"not written ({type(err).__name__}: {err})"
     steps = checkpoint_steps(run_dir)
-    table = summary_rows(rows, start_update, wall_s)
+    table = summary_rows(rows, start_update, wall_s, eval_key)
     table += [
         ("metrics", str(run_dir / METRICS_FILE)),
         ("tensorboard", str(run_dir / TB_DIR)),

@@ -302,9 +302,12 @@ class Training:
             )
         return self._budget_learners[loops]
 
-    def fresh_state(self) -> TrainState:
+    def fresh_state(self, actor: dict | None = None) -> TrainState:
+        """A new TrainState around `actor` (default: the configured initial weights); the
+        critic copies its backbone, the reference its parameters, optimizer states are fresh."""
         cfg = self.cfg
-        actor = init_actor_params(cfg, self.model_cfg, self.mesh, self.shardings.actor_params)
+        if actor is None:
+            actor = self.initial_actor()
         critic = None
         if self.critic_abstract is not None:
             seed = derive_seed(cfg.seed, 0xC)
@@ -325,10 +328,17 @@ class Training:
             with_reference=uses_reference(self.cfg),
         )
 
+    def initial_actor(self) -> dict:
+        """The configured initial actor parameters on their shardings."""
+        return init_actor_params(self.cfg, self.model_cfg, self.mesh, self.shardings.actor_params)
+
     def policy(self, state: TrainState) -> nnx.State:
         """The actor parameters of `state` as the nnx.State engines take (no copy)."""
+        return self.policy_of(state.actor_params)
+
+    def policy_of(self, actor_params: dict) -> nnx.State:
         policy = nnx.state(self.actor_abstract)
-        nnx.replace_by_pure_dict(policy, state.actor_params)
+        nnx.replace_by_pure_dict(policy, actor_params)
         return policy
 
     def actor_model(self, state: TrainState) -> LoopedLM:
@@ -422,12 +432,15 @@ class Trainer:
         self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
         step = self.checkpointer.latest_step()
         cursor, ahead = None, []
+        # warm start: recorded in every checkpoint, so a resume never repeats it
+        self.warm_start: dict = {}
         if step is not None:
             self.state, extra = self.checkpointer.restore(
                 step, self.training.abstract_state(), self.training.shardings
             )
             cursor = extra["data_cursor"]
             ahead = extra.get("batches_ahead", [])
+            self.warm_start = extra.get("warm_start", {})
         else:
             self.state = self.training.fresh_state()
             if self.is_main:
@@ -445,6 +458,8 @@ class Trainer:
         self.producer: RolloutSource = build_producer(cfg, engine_model, settings, self.mesh)
         if cursor is not None:
             self.producer.restore(cursor)
+        elif cfg.warm_start.sft_steps > 0:
+            self.run_warm_start()
         # remote engines generate while the learner trains; the embedded sampler shares the
         # learner's devices, so it generates its batch ahead in this thread (the same batches)
         self.pipeline = RolloutPipeline(
@@ -467,6 +482,7 @@ class Trainer:
             if self.is_main
             else _NoMetrics()
         )
+        self.warned_constant_values = False
         self.features = None
         if cfg.draft_features.enabled and self.is_main:
             tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
@@ -477,6 +493,17 @@ class Trainer:
                 config_digest(model_cfg.to_hf_dict()),
                 tokenizer.digest(),
             )
+
+    def run_warm_start(self) -> None:
+        """warm_start.sft_steps SFT steps on the fresh actor; the state is then built around
+        the warm-started actor (critic backbone and reference copied from it, fresh optimizer
+        states). Its metrics go into update 0's row."""
+        from jaxloop.sft import warm_start
+
+        actor = self.state.actor_params
+        self.state = self.state.replace(actor_params=None)
+        actor, self.warm_start = warm_start(self.cfg, self.training, self.producer, actor)
+        self.state = self.learner.rest(self.training.fresh_state(actor))
 
     @property
     def version(self) -> int:
@@ -497,6 +524,21 @@ class Trainer:
             rollout.engine, self.cfg.model.compute_dtype
         )
         return check_engine_logprobs(update, arrays, old_lp, bound, loop_old_lp)
+
+    def warn_constant_values(self, update: int, metrics: dict) -> None:
+        """Once per process: the critic gave (nearly) the same value to every response token of a
+        batch whose returns vary, so its advantages are the returns shifted by a constant."""
+        if self.warned_constant_values or "value_std" not in metrics or not self.is_main:
+            return
+        if metrics["value_std"] < 1e-6 and metrics.get("reward_std", 0.0) > 0:
+            self.warned_constant_values = True
+            print(
+                f"warning: update {update}: the critic's values are constant over the batch "
+                f"(value_std {metrics['value_std']:.2g}, value_mean {metrics['value_mean']:.3g}) "
+                "while the rewards vary: it has not learned yet (see critic.warmup_updates, "
+                "critic.lr)",
+                file=sys.stderr,
+            )
 
     def run(self) -> int:
         cfg = self.cfg
@@ -521,6 +563,7 @@ class Trainer:
                             "data_cursor": self.producer.state(),
                             "seed": cfg.seed,
                             "batches_ahead": self.pipeline.state(),
+                            "warm_start": self.warm_start,
                         },
                     )
         finally:
@@ -534,6 +577,8 @@ class Trainer:
     def one_update(self, update: int, last: int, bar) -> None:
         cfg = self.cfg
         metrics = {"policy_version": float(self.version)}
+        if update == 0:
+            metrics.update(self.warm_start)
         t0 = time.perf_counter()
         if cfg.eval_every and update % cfg.eval_every == 0:
             metrics["eval_reward"] = self.producer.evaluate()
@@ -584,10 +629,13 @@ class Trainer:
                 loop_old_lp = shd.to_host(old_lp)  # every loop is checked
             metrics.update(self.check_logprobs(update, batch, old_lp_host, loop_old_lp))
         t_update = time.perf_counter()
+        critic_only = update < cfg.critic.warmup_updates  # critic warm-up: the actor waits
+        metrics["critic_warmup"] = float(critic_only)
         self.state, update_metrics = learner.update(
-            self.state, {**device_batch, "old_logprobs": old_lp}
+            self.state, {**device_batch, "old_logprobs": old_lp}, critic_only=critic_only
         )
         metrics.update(metrics_to_host(update_metrics))
+        self.warn_constant_values(update, metrics)
         metrics.update(learner.last_moves)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         in_a_row, limit = int(self.state.consecutive_skips), cfg.optim.max_skipped_updates

@@ -478,7 +478,7 @@ class Learner:
         self._counters = jax.jit(self._counters_impl)
         if mesh is None:
             self._old_logprobs = jax.jit(self._old_logprobs_impl, static_argnums=2)
-            self._update = jax.jit(self._update_impl, donate_argnums=0)
+            self._update = jax.jit(self._update_impl, static_argnums=2, donate_argnums=0)
         else:
             rows = shd.batch_sharding(mesh, ndim=1)
             self.batch_sharding = rows
@@ -491,6 +491,7 @@ class Learner:
             )
             self._update = jax.jit(
                 self._update_impl,
+                static_argnums=2,
                 in_shardings=(state_shardings, rows),
                 out_shardings=(state_shardings, rep),
                 donate_argnums=0,
@@ -563,15 +564,20 @@ class Learner:
             fields = {k: jax.device_put(v, self.batch_sharding) for k, v in fields.items()}
         return {**batch, **fields}
 
-    def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def update(
+        self, state: TrainState, batch: dict, critic_only: bool = False
+    ) -> tuple[TrainState, dict]:
         """One rollout's optimizer steps. `batch` holds the RolloutBatch fields plus
-        'old_logprobs' (per-loop credit: `old_logprobs`'s [L, N, T]). The input state is donated:
-        use only the returned one."""
+        'old_logprobs' (per-loop credit: `old_logprobs`'s [L, N, T]). `critic_only` (critic
+        warm-up): only the critic's steps; the actor, its optimizer state and the policy version
+        stay. The input state is donated: use only the returned one."""
+        if critic_only and self.critic_graphdef is None:
+            raise ValueError("critic_only update without a critic")
         with self._mesh_context():
             batch = self._with_loop_logprobs(batch)
             if self.offload.any:
-                return self._update_offloaded(state, batch)
-            return self._update(state, batch)
+                return self._update_offloaded(state, batch, critic_only)
+            return self._update(state, batch, critic_only)
 
     # ---- offloading ----
     def _offloaded(self, state: TrainState) -> dict[str, tuple[str, ...]]:
@@ -614,7 +620,7 @@ class Learner:
                     moves[field] = self._move(name, value, "pinned_host", delete_source=True)
         return state.replace(**moves)
 
-    def _update_offloaded(self, state: TrainState, batch: dict):
+    def _update_offloaded(self, state: TrainState, batch: dict, critic_only: bool = False):
         """The update as three phases, each with only what it uses on the device."""
         self.last_moves = {}
         off = self._offloaded(state)
@@ -632,13 +638,17 @@ class Learner:
             if on_host:  # the host copy is unchanged; the device copy goes
                 jax.tree.map(lambda x: x.delete(), copy)
 
-        actor_opt = fetch("optimizer", "actor_opt") if off["optimizer"] else state.actor_opt
-        actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_phase(
-            state.actor_params, actor_opt, batch, prepared
-        )
-        metrics.update(actor_metrics)
-        if off["optimizer"]:
-            actor_opt = self._move("optimizer", actor_opt, "pinned_host", delete_source=True)
+        actor_params, actor_opt = state.actor_params, state.actor_opt
+        first_ok, actor_ok = jnp.bool_(False), jnp.bool_(True)  # critic_only: nothing applied
+        if not critic_only:
+            if off["optimizer"]:
+                actor_opt = fetch("optimizer", "actor_opt")
+            actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_phase(
+                state.actor_params, actor_opt, batch, prepared
+            )
+            metrics.update(actor_metrics)
+            if off["optimizer"]:
+                actor_opt = self._move("optimizer", actor_opt, "pinned_host", delete_source=True)
 
         critic_params, critic_opt, critic_ok = state.critic_params, state.critic_opt, True
         if critic_params is not None:
@@ -865,8 +875,17 @@ class Learner:
         )
         if returns is not None:
             out["returns"] = returns
-        metrics = {"advantage_mean": adv_lib.masked_mean(out["advantages"], mask)}
+        metrics = {
+            "advantage_mean": adv_lib.masked_mean(out["advantages"], mask),
+            "advantage_std": jnp.sqrt(adv_lib.masked_var(out["advantages"], mask)),
+        }
         if values is not None and returns is not None:
+            # before any whitening: returns - values is GAE's raw advantage
+            raw = returns - values
+            metrics["raw_advantage_mean"] = adv_lib.masked_mean(raw, mask)
+            metrics["raw_advantage_std"] = jnp.sqrt(adv_lib.masked_var(raw, mask))
+            metrics["value_mean"] = adv_lib.masked_mean(values, mask)
+            metrics["value_std"] = jnp.sqrt(adv_lib.masked_var(values, mask))
             metrics["explained_variance"] = _explained_variance(values, returns, mask)
         return out, metrics
 
@@ -979,12 +998,15 @@ class Learner:
             ),
         ), skipped
 
-    def _update_impl(self, state: TrainState, batch: dict):
+    def _update_impl(self, state: TrainState, batch: dict, critic_only: bool = False):
         prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch)
-        actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_impl(
-            state.actor_params, state.actor_opt, batch, prepared
-        )
-        metrics.update(actor_metrics)
+        actor_params, actor_opt = state.actor_params, state.actor_opt
+        first_ok, actor_ok = jnp.bool_(False), jnp.bool_(True)  # critic_only: nothing applied
+        if not critic_only:
+            actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_impl(
+                state.actor_params, state.actor_opt, batch, prepared
+            )
+            metrics.update(actor_metrics)
         critic_params, critic_opt, critic_ok = state.critic_params, state.critic_opt, True
         if state.critic_params is not None:
             critic_params, critic_opt, critic_ok, critic_metrics = self._critic_impl(

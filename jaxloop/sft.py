@@ -1,0 +1,393 @@
+"""`python -m jaxloop.sft --config sft.py [--config.key=value ...]`: supervised fine-tuning.
+
+Teacher-forced cross-entropy on `{prompt, label}` data (`data.source`: the built-in task's train
+split, or a JSONL / Parquet file), the loss on the answer tokens and EOS only. The same model,
+tokenizer, mesh, optimizer family, progress bar, metrics.jsonl / TensorBoard / curves.png, orbax
+checkpoints and resume as `jaxloop.train`; `sft.steps` optimizer steps of `sft.batch_size`
+examples at the constant `sft.lr`; every `eval_every` steps the greedy exact-match accuracy on the
+held-out split (`eval_accuracy`).
+
+The run dir holds the actor like a training run's (`checkpoints/<step>/actor_params`,
+`actor_config.json`), so it is a `model.init_checkpoint` for `jaxloop.train` (the critic copies its
+backbone) and `conversion.to_hf` exports it.
+
+A training run can do the same steps first: `warm_start.sft_steps = N` (see `warm_start`).
+SFT reads the keys of `SFT_KEYS`; overriding any other key on the command line is refused (it
+would be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxloop.checkpoint import TrainCheckpointer
+from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
+from jaxloop.data.datasets import DataError, make_source
+from jaxloop.data.tokenizer import TokenizerError
+from jaxloop.metrics import MetricsWriter, progress
+from jaxloop.models import ConfigError
+from jaxloop.models.hf_io import CheckpointError, abstract_model
+from jaxloop.models.orbax_io import RunDirError
+from jaxloop.parallel import distributed
+from jaxloop.parallel import mesh as shd
+from jaxloop.rl.learner import make_optimizer, metrics_to_host
+from jaxloop.rl.sft import SFTStepper, answer_budget, sft_arrays, sft_seq_len, sft_sequences
+from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
+from jaxloop.rollout.api import Policy
+from jaxloop.rollout.producer import RolloutProducer, build_tokenizer, derive_seed
+
+# what `python -m jaxloop.sft` reads (a section name covers its keys)
+SFT_KEYS = (
+    "run_dir",
+    "seed",
+    "micro_batch_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_prompts",
+    "progress",
+    "verbose",
+    "model",
+    "data.source",
+    "data.eval_source",
+    "data.task",
+    "data.num_digits",
+    "data.tokenizer",
+    "data.max_prompt_tokens",
+    "rollout.max_new_tokens",
+    "optim.name",
+    "optim.b1",
+    "optim.b2",
+    "optim.grad_clip",
+    "optim.weight_decay",
+    "optim.max_skipped_updates",
+    "sft",
+    "mesh",
+    "dist",
+)
+SFT_PROGRESS_KEYS = ("sft_loss", "sft_token_accuracy", "eval_accuracy")
+WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
+
+
+def sft_optimizer(cfg, steps: int):
+    """The SFT optimizer: optim's family and settings at the constant sft.lr."""
+    o = cfg.optim
+    return make_optimizer(
+        o.name, cfg.sft.lr, "constant", 0, steps, o.weight_decay, o.b1, o.b2, o.grad_clip
+    )
+
+
+class SFTData:
+    """Batches of `sft_arrays` from a prompt source, in one row length; a resumable cursor."""
+
+    def __init__(self, data: dict, tokenizer, max_prompt_tokens: int, batch_size: int):
+        self.source = make_source(data)
+        self.tokenizer, self.batch_size = tokenizer, batch_size
+        self.seq_len = sft_seq_len(max_prompt_tokens, answer_budget(self.source, tokenizer))
+
+    def next_arrays(self) -> dict[str, np.ndarray]:
+        prompts, answers = sft_sequences(self.tokenizer, self.source.next_batch(self.batch_size))
+        try:
+            return sft_arrays(prompts, answers, self.seq_len)
+        except ValueError as err:
+            raise DataError(f"sft: {err} (data.max_prompt_tokens + the longest label + EOS)")
+
+    def state(self) -> dict:
+        return self.source.state()
+
+    def restore(self, state: dict) -> None:
+        self.source.restore(state)
+
+
+def run_steps(stepper: SFTStepper, params, opt_state, data: SFTData, steps: int, on_step):
+    """`steps` SFT steps; `on_step(i, params, metrics)` after each (host metrics). Returns the
+    parameters and optimizer state."""
+    for i in range(steps):
+        params, opt_state, metrics = stepper.step(params, opt_state, data.next_arrays())
+        params = on_step(i, params, metrics_to_host(metrics))
+    return params, opt_state
+
+
+def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
+    """`warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
+    `actor_params` (donated). Returns the warm-started actor parameters and the metrics of the
+    warm start (greedy eval reward before and after it, the last loss, seconds)."""
+    steps = cfg.warm_start.sft_steps
+    mesh, shardings = training.mesh, training.shardings
+    tx = sft_optimizer(cfg, steps)
+    graphdef = nnx.split(training.actor_abstract)[0]
+    opt_sharding = None
+    if mesh is not None:
+        from jaxloop.rl.state import opt_shardings
+
+        opt_sharding = opt_shardings(
+            tx, abstract_params(training.actor_abstract), shardings.actor_params, mesh
+        )
+    stepper = SFTStepper(
+        graphdef,
+        tx,
+        cfg.micro_batch_size,
+        mesh=mesh,
+        params_sharding=shardings.actor_params,
+        opt_sharding=opt_sharding,
+    )
+    data_cfg = {**producer.settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
+    data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    started = time.perf_counter()
+    config = training.actor_abstract.config
+    producer.publish(Policy(training.policy_of(actor_params), 0, config))
+    before = producer.evaluate()
+    bar = progress(
+        total=steps,
+        desc="warm start (sft)",
+        keys=SFT_PROGRESS_KEYS,
+        disable=None if cfg.progress and jax.process_index() == 0 else True,
+    )
+    last: dict = {}
+
+    def on_step(i, params, metrics):
+        last.update(metrics)
+        bar.step(metrics)
+        return params
+
+    try:
+        opt_state = stepper.init(actor_params, opt_sharding)
+        actor_params, _ = run_steps(stepper, actor_params, opt_state, data, steps, on_step)
+    finally:
+        bar.close()
+    producer.publish(Policy(training.policy_of(actor_params), 0, config))
+    after = producer.evaluate()
+    metrics = {
+        "warm_start_sft_steps": float(steps),
+        "warm_start_eval_before": before,
+        "warm_start_eval_after": after,
+        "warm_start_sft_loss": last.get("sft_loss", float("nan")),
+        "warm_start_seconds": time.perf_counter() - started,
+    }
+    return actor_params, metrics
+
+
+# ---- python -m jaxloop.sft ----
+def check_sft_overrides(argv: list[str]) -> None:
+    """Refuse `--config.KEY` overrides of keys that SFT does not read (one line, exit 2)."""
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config.") :].split("=", 1)[0]
+        if not any(key == k or key.startswith(k + ".") for k in SFT_KEYS):
+            raise UsageError(
+                f"--config.{key}: jaxloop.sft does not read it (it reads {', '.join(SFT_KEYS)})"
+            )
+
+
+class SFTRun:
+    """Model, mesh, data, optimizer state and checkpoints of one `jaxloop.sft` run dir."""
+
+    def __init__(self, cfg):
+        from jaxloop.train import actor_config, init_actor_params, producer_settings
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir).resolve()
+        distributed.initialize(cfg.dist)
+        self.is_main = distributed.is_main_process()
+        model_cfg = actor_config(cfg)
+        sizes = validate_mesh(_as_sft_batch(cfg), jax.device_count(), model_cfg)
+        self.mesh = shd.make_mesh(**sizes)
+        self.actor_abstract = abstract_model(model_cfg, "actor")
+        self.tx = sft_optimizer(cfg, cfg.sft.steps)
+        self.shardings = state_shardings(
+            self.mesh,
+            shd.param_shardings(self.actor_abstract, self.mesh),
+            abstract_params(self.actor_abstract),
+            self.tx,
+            None,
+            None,
+            None,
+        )
+        settings = producer_settings(cfg, requires_groups=False)
+        settings = dataclasses.replace(
+            settings, reward="exact_match", vocab_size=model_cfg.vocab_size
+        )
+        from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+
+        self.producer = RolloutProducer(
+            settings, JaxSamplerEngine(self.actor_abstract, mesh=self.mesh)
+        )
+        self.data = SFTData(
+            {**settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)},
+            self.producer.tokenizer,
+            cfg.data.max_prompt_tokens,
+            cfg.sft.batch_size,
+        )
+        self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
+        step = self.checkpointer.latest_step()
+        abstract = _abstract_sft_state(self.actor_abstract, self.tx)
+        if step is not None:
+            self.state, extra = self.checkpointer.restore(step, abstract, self.shardings)
+            self.data.restore(extra["data_cursor"])
+        else:
+            actor = init_actor_params(cfg, model_cfg, self.mesh, self.shardings.actor_params)
+            self.state = build_train_state(actor, self.tx, shardings=self.shardings, seed=cfg.seed)
+            if self.is_main:
+                self.checkpointer.write_configs(self.actor_abstract)
+                (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+        self.start = self.state.update_count
+        self.stepper = SFTStepper(
+            nnx.split(self.actor_abstract)[0],
+            self.tx,
+            cfg.micro_batch_size,
+            mesh=self.mesh,
+            params_sharding=self.shardings.actor_params,
+            opt_sharding=self.shardings.actor_opt,
+        )
+        self.metrics = (
+            MetricsWriter(self.run_dir, start_update=self.start) if self.is_main else None
+        )
+
+    def evaluate(self) -> float:
+        policy = nnx.state(self.actor_abstract)
+        nnx.replace_by_pure_dict(policy, self.state.actor_params)
+        self.producer.publish(Policy(policy, self.state.update_count, self.actor_abstract.config))
+        return self.producer.evaluate()
+
+    def run(self) -> int:
+        cfg, total = self.cfg, self.cfg.sft.steps
+        bar = progress(
+            total=total,
+            initial=self.start,
+            desc="sft",
+            keys=SFT_PROGRESS_KEYS,
+            disable=None if cfg.progress and self.is_main else True,
+        )
+        skips = 0
+        try:
+            for step in range(self.start, total):
+                t0 = time.perf_counter()
+                row = {}
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    row["eval_accuracy"] = self.evaluate()
+                s = self.state
+                params, opt, metrics = self.stepper.step(
+                    s.actor_params, s.actor_opt, self.data.next_arrays()
+                )
+                metrics = metrics_to_host(metrics)
+                skips = skips + 1 if metrics["skipped"] else 0
+                self.state = s.replace(
+                    actor_params=params,
+                    actor_opt=opt,
+                    step=s.step + 1,
+                    policy_version=s.policy_version + int(not metrics["skipped"]),
+                    skipped_updates=s.skipped_updates + int(metrics["skipped"]),
+                    consecutive_skips=s.consecutive_skips * 0 + skips,
+                )
+                if skips >= cfg.optim.max_skipped_updates:
+                    raise NonFiniteSFTError(
+                        f"sft step {step}: non-finite loss or gradient norm in {skips} "
+                        f"consecutive steps (optim.max_skipped_updates="
+                        f"{cfg.optim.max_skipped_updates})"
+                    )
+                row.update(metrics)
+                row["time_step"] = time.perf_counter() - t0
+                done = step + 1
+                if done == total:
+                    row["final_eval_accuracy"] = self.evaluate()
+                if self.metrics is not None:
+                    self.metrics.write(step, row)
+                bar.step(row)
+                if done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                    self.checkpointer.save(self.state, {"data_cursor": self.data.state()})
+        finally:
+            bar.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.checkpointer.close()
+            self.producer.close()
+        return 0
+
+
+class NonFiniteSFTError(RuntimeError):
+    """optim.max_skipped_updates SFT steps in a row had a non-finite loss or gradient norm."""
+
+
+def _as_sft_batch(cfg):
+    """The config with the SFT batch as the samples per update (the mesh checks divide it)."""
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.prompts_per_update, c.n_samples_per_prompt = cfg.sft.batch_size, 1
+    return c
+
+
+def _abstract_sft_state(actor_abstract, tx):
+    from jaxloop.rl.state import abstract_train_state
+
+    return abstract_train_state(abstract_params(actor_abstract), tx, None, None)
+
+
+def sft_preflight(cfg) -> None:
+    """Data, tokenizer and prompt lengths, before anything is built or written."""
+    from jaxloop.train import producer_settings
+
+    settings = dataclasses.replace(
+        producer_settings(cfg, requires_groups=False), reward="exact_match"
+    )
+    producer = RolloutProducer(settings, engine=None)
+    SFTData(settings.data, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxloop.summary import finish_report
+    from jaxloop.train import check_writable
+
+    argv = sys.argv[1:] if argv is None else argv
+    started = time.perf_counter()
+    run = None
+    try:
+        command = parse_command(argv)
+        if command.help:
+            print(command.help.replace("jaxloop.train", "jaxloop.sft"))
+            print(f"\njaxloop.sft reads: {', '.join(SFT_KEYS)}")
+            return 0
+        check_sft_overrides(argv)
+        cfg = command.cfg
+        sft_preflight(cfg)
+        if command.dry_run:
+            print(format_tree(cfg))
+            print("dry run: the config is valid; nothing was written")
+            return 0
+        check_writable(cfg.run_dir)
+        run = SFTRun(cfg)
+        if run.start >= cfg.sft.steps:
+            print(f"sft run already complete: step {run.start} of {cfg.sft.steps}", file=sys.stderr)
+            return 0
+        code = run.run()
+    except (UsageError, DataError, ConfigError, CheckpointError, RunDirError, TokenizerError) as e:
+        print(f"error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+    except NonFiniteSFTError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    if run.is_main:
+        print(
+            finish_report(
+                cfg.run_dir,
+                run.start,
+                time.perf_counter() - started,
+                cfg.sft.steps,
+                eval_key="eval_accuracy",
+            ),
+            file=sys.stderr,
+        )
+    print(json.dumps({"run_dir": str(cfg.run_dir)}))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
