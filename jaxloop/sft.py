@@ -42,7 +42,7 @@ from jaxloop.rl.learner import make_optimizer, metrics_to_host
 from jaxloop.rl.sft import SFTStepper, answer_budget, sft_arrays, sft_seq_len, sft_sequences
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.producer import RolloutProducer, build_tokenizer, derive_seed
+from jaxloop.rollout.producer import RolloutProducer, derive_seed
 
 # what `python -m jaxloop.sft` reads (a section name covers its keys)
 SFT_KEYS = (
@@ -98,7 +98,9 @@ class SFTData:
         try:
             return sft_arrays(prompts, answers, self.seq_len)
         except ValueError as err:
-            raise DataError(f"sft: {err} (data.max_prompt_tokens + the longest label + EOS)")
+            raise DataError(
+                f"sft: {err} (data.max_prompt_tokens + the longest label + EOS)"
+            ) from None
 
     def state(self) -> dict:
         return self.source.state()
