@@ -39,6 +39,7 @@ TIMING_METRICS = (
     "publish_gb_per_s",
     "engine_idle_",
     "learner_idle_",
+    "warm_start_seconds",
 )
 
 

@@ -48,6 +48,7 @@ from jaxloop.rollout.producer import RolloutProducer, derive_seed
 SFT_KEYS = (
     "run_dir",
     "seed",
+    "stop_after",
     "micro_batch_size",
     "checkpoint_every",
     "keep_checkpoints",
@@ -70,6 +71,30 @@ SFT_KEYS = (
     "optim.weight_decay",
     "optim.max_skipped_updates",
     "sft",
+    "mesh",
+    "dist",
+)
+# keys a resume may change (where and how the run executes, how often it logs, when it stops);
+# every other key SFT reads is the run's math and must match the run dir's config.json
+SFT_RESUME_FREE = (
+    "run_dir",
+    "stop_after",
+    "micro_batch_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_prompts",
+    "progress",
+    "verbose",
+    "sft.steps",
+    "model.hf_dir",
+    "model.init_checkpoint",
+    "model.remat",
+    "model.attention_impl",
+    "model.logits_chunk",
+    "data.eval_source",
+    "rollout.max_new_tokens",
+    "optim.max_skipped_updates",
     "mesh",
     "dist",
 )
@@ -184,9 +209,36 @@ def check_sft_overrides(argv: list[str]) -> None:
         if not arg.startswith("--config."):
             continue
         key = arg[len("--config.") :].split("=", 1)[0]
-        if not any(key == k or key.startswith(k + ".") for k in SFT_KEYS):
+        if not _covered(key, SFT_KEYS):
             raise UsageError(
                 f"--config.{key}: jaxloop.sft does not read it (it reads {', '.join(SFT_KEYS)})"
+            )
+
+
+def _covered(key: str, keys) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def check_sft_resume(cfg, run_dir: Path) -> None:
+    """Refuse to resume an SFT run dir with a config whose math differs from its config.json."""
+    from jaxloop.config import flat_items
+    from jaxloop.train import _flat_json
+
+    stored_path = run_dir / "config.json"
+    if not stored_path.is_file():
+        return
+    try:
+        stored = _flat_json(json.loads(stored_path.read_text()))
+    except (ValueError, AttributeError) as err:
+        raise RunDirError(f"{stored_path} is unreadable ({err})") from None
+    for key, value in flat_items(cfg):
+        if not _covered(key, SFT_KEYS) or _covered(key, SFT_RESUME_FREE):
+            continue
+        value = json.loads(json.dumps(value))
+        if key in stored and stored[key] != value:
+            raise UsageError(
+                f"run dir {run_dir} was started with {key}={stored[key]!r}; this run has "
+                f"{key}={value!r} (start a new run_dir to change it)"
             )
 
 
@@ -233,6 +285,7 @@ class SFTRun:
         step = self.checkpointer.latest_step()
         abstract = _abstract_sft_state(self.actor_abstract, self.tx)
         if step is not None:
+            check_sft_resume(cfg, self.run_dir)
             self.state, extra = self.checkpointer.restore(step, abstract, self.shardings)
             self.data.restore(extra["data_cursor"])
         else:
@@ -270,8 +323,9 @@ class SFTRun:
             disable=None if cfg.progress and self.is_main else True,
         )
         skips = 0
+        stop_at = total if cfg.stop_after <= 0 else min(total, self.start + cfg.stop_after)
         try:
-            for step in range(self.start, total):
+            for step in range(self.start, stop_at):
                 t0 = time.perf_counter()
                 row = {}
                 if cfg.eval_every and step % cfg.eval_every == 0:
@@ -304,7 +358,7 @@ class SFTRun:
                 if self.metrics is not None:
                     self.metrics.write(step, row)
                 bar.step(row)
-                if done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                if done == stop_at or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     self.checkpointer.save(self.state, {"data_cursor": self.data.state()})
         finally:
             bar.close()

@@ -1,0 +1,181 @@
+"""Supervised fine-tuning as a user runs it, and the recipes built on it:
+
+- `python -m jaxloop.sft`: a resumed run equals an uninterrupted one bit for bit (parameters,
+  optimizer state, metrics); its run dir is a `model.init_checkpoint` for training and
+  `conversion.to_hf` exports it; a key SFT does not read is refused (exit 2, nothing written).
+- `warm_start.sft_steps` + `critic.warmup_updates` in one training run: the warm start's eval
+  before / after is in update 0's row, a resume never repeats it (bitwise equal to the straight
+  run), and the critic-only updates leave the actor, its optimizer state and the policy version
+  untouched while the critic trains.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.train.helpers import TINY, read_rows, run_train, stable
+from tests.train.test_resume import _checkpoint_arrays
+
+SFT_ARGS = (
+    "--config.model.hidden_size=32",
+    "--config.model.intermediate_size=64",
+    "--config.model.num_layers=1",
+    "--config.model.head_dim=16",
+    "--config.data.task=reverse",
+    "--config.data.num_digits=2",
+    "--config.rollout.max_new_tokens=3",
+    "--config.sft.batch_size=16",
+    "--config.micro_batch_size=8",
+    "--config.eval_prompts=8",
+    "--config.eval_every=2",
+    "--config.checkpoint_every=2",
+    "--config.keep_checkpoints=5",
+    "--config.progress=false",
+)
+
+
+def _sft(run_dir, *extra, expect: int = 0):
+    cmd = [sys.executable, "-m", "jaxloop.sft", "--config", "sft.py", f"--config.run_dir={run_dir}"]
+    proc = subprocess.run([*cmd, *SFT_ARGS, *extra], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sft_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sft")
+    straight, resumed = base / "straight", base / "resumed"
+    _sft(straight, "--config.sft.steps=4")
+    _sft(resumed, "--config.sft.steps=4", "--config.stop_after=2")
+    _sft(resumed, "--config.sft.steps=4")  # resumes at step 2
+    return straight, resumed
+
+
+def test_sft_resume_is_bitwise(sft_dirs):
+    straight, resumed = sft_dirs
+    a, b = _checkpoint_arrays(straight, 4), _checkpoint_arrays(resumed, 4)
+    assert sorted(a) == sorted(b) and any(k.startswith("actor_opt") for k in a)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    rows_a, rows_b = stable(read_rows(straight)), stable(read_rows(resumed))
+    assert rows_a == rows_b
+    assert [r["update"] for r in rows_a] == [0, 1, 2, 3]
+    assert {"sft_loss", "sft_token_accuracy", "eval_accuracy"} <= set(rows_a[0])
+    assert "final_eval_accuracy" in rows_a[-1]
+    assert rows_a[-1]["sft_loss"] < rows_a[0]["sft_loss"]
+
+
+def test_sft_run_dir_starts_training_and_exports(sft_dirs, tmp_path):
+    straight, _ = sft_dirs
+    # one critic-only update: the trained actor is still the SFT actor, bit for bit
+    run = tmp_path / "ppo"
+    run_train(
+        run,
+        "ppo.py",
+        *TINY,
+        f"--config.model.init_checkpoint={straight}",
+        "--config.data.task=reverse",
+        "--config.data.num_digits=2",
+        "--config.rollout.max_new_tokens=3",
+        "--config.critic.warmup_updates=1",
+        "--config.total_updates=1",
+    )
+    sft_actor = {
+        k: v for k, v in _checkpoint_arrays(straight, 4).items() if k.startswith("actor_params")
+    }
+    trained = _checkpoint_arrays(run, 1)
+    for key, value in sft_actor.items():
+        np.testing.assert_array_equal(trained[key], value, err_msg=key)
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "conversion.to_hf", "--checkpoint", str(straight)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
+    assert any(out.glob("*.safetensors"))
+
+
+def test_sft_refuses_keys_it_does_not_read(tmp_path):
+    run = tmp_path / "never"
+    proc = _sft(run, "--config.algo.clip_eps=0.3", expect=2)
+    assert proc.stderr.count("\n") == 1 and "does not read" in proc.stderr
+    assert not run.exists()
+
+
+WARM = (
+    *TINY,
+    "--config.data.task=reverse",
+    "--config.data.num_digits=2",
+    "--config.rollout.max_new_tokens=3",
+    "--config.warm_start.sft_steps=3",
+    "--config.sft.batch_size=8",
+    "--config.critic.warmup_updates=2",
+    "--config.total_updates=3",
+    "--config.checkpoint_every=1",
+    "--config.keep_checkpoints=5",
+    "--config.eval_every=2",
+)
+
+
+def test_warm_start_and_critic_warmup_resume_bitwise(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    rows = run_train(straight, "ppo.py", *WARM)
+    run_train(resumed, "ppo.py", *WARM, "--config.stop_after=1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxloop.train",
+            "--config",
+            "ppo.py",
+            f"--config.run_dir={resumed}",
+            *WARM,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warm start (sft)" not in proc.stderr  # the resume did not run it again
+    assert stable(read_rows(resumed)) == stable(rows)
+    for step in (1, 2, 3):
+        a, b = _checkpoint_arrays(straight, step), _checkpoint_arrays(resumed, step)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{step} {key}")
+
+    first = rows[0]
+    assert first["warm_start_sft_steps"] == 3
+    assert {"warm_start_eval_before", "warm_start_eval_after", "warm_start_sft_loss"} <= set(first)
+    assert first["eval_reward"] == first["warm_start_eval_after"]  # update 0 evaluates after it
+    # critic warm-up: updates 0 and 1 train the critic alone
+    assert [r["critic_warmup"] for r in rows] == [1.0, 1.0, 0.0]
+    assert [r["policy_version"] for r in rows] == [0.0, 0.0, 0.0]
+    ckpt = {s: _checkpoint_arrays(straight, s) for s in (1, 2, 3)}
+    actor = [k for k in ckpt[1] if k.startswith(("actor_params", "actor_opt"))]
+    critic = [k for k in ckpt[1] if k.startswith("critic_params")]
+    for key in actor:
+        np.testing.assert_array_equal(ckpt[1][key], ckpt[2][key], err_msg=key)
+    assert any(not np.array_equal(ckpt[1][k], ckpt[2][k]) for k in critic)
+    assert any(not np.array_equal(ckpt[2][k], ckpt[3][k]) for k in actor)
+    states = [
+        json.loads((straight / "checkpoints" / str(s) / "train_state" / "metadata").read_text())
+        for s in (2, 3)
+    ]
+    assert [s["policy_version"] for s in states] == [0, 1]
+    assert states[0]["warm_start"]["warm_start_sft_steps"] == 3
+
+
+def test_warm_start_and_critic_warmup_refusals(tmp_path):
+    cmd = [sys.executable, "-m", "jaxloop.train", "--dry-run", "--config"]
+    for config, key in (
+        ("grpo.py", "--config.critic.warmup_updates=2"),
+        ("ppo.py", "--config.warm_start.sft_steps=-1"),
+        ("ppo.py", "--config.sft.batch_size=0"),
+    ):
+        proc = subprocess.run([*cmd, config, key], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (key, proc.stderr)
+        assert proc.stderr.count("\n") == 1, proc.stderr
