@@ -111,6 +111,7 @@ WARM = (
     "--config.data.task=reverse",
     "--config.data.num_digits=2",
     "--config.rollout.max_new_tokens=3",
+    "--config.data.reward=tests.train.rewards:char_code_reward",  # rewards that vary
     "--config.warm_start.sft_steps=3",
     "--config.sft.batch_size=8",
     "--config.critic.warmup_updates=2",
