@@ -1,6 +1,15 @@
-"""Shared test settings: 8 fake CPU devices (for the sharding tests), tiny configs, vLLM env."""
+"""Shared test settings: 8 fake CPU devices (for the sharding tests), tiny configs, vLLM env,
+one persistent XLA compilation cache for the whole session (every trainer subprocess of the same
+shapes reuses the programs an earlier one compiled; results are the same executables), and the
+xdist groups that `pytest -n` distributes: one group per test module, and every real-engine test
+(`slow`: vLLM, Ray) in one group, so two Ray clusters or vLLM engines never run at once."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+import pytest
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -10,3 +19,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One compilation cache for the session: made by the first process (the xdist controller, or a
+# plain pytest run), inherited by xdist workers and every subprocess, removed by its maker.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="jaxloop-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    _owner = os.getpid()
+    atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache_dir, True))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = "real-engines" if item.get_closest_marker("slow") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))

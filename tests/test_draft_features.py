@@ -18,7 +18,7 @@ from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
-from tests.train.helpers import run_train
+from tests.train.helpers import UNIT, run_train
 
 
 def test_features_written_and_correct(tmp_path):
@@ -26,6 +26,7 @@ def test_features_written_and_correct(tmp_path):
     run_train(
         run_dir,
         "grpo.py",
+        *UNIT,
         "--config.total_updates=2",
         "--config.prompts_per_update=4",
         "--config.n_samples_per_prompt=2",

@@ -1,39 +1,36 @@
-"""Learning, not just running (short version of scripts/learning_check.py): GRPO from random
-init lifts the greedy eval reward on a multi-token task (reverse of 2 digits, `format` reward)
-from <= 0.2 to >= 0.8, and the final checkpoint's greedy answers are then exactly right
-(jaxloop.evaluate with exact_match), not only their first digit."""
+"""Learning, not just running (a short version of scripts/learning_check.py): every algorithm,
+with its own config (configs/ALG.py: `reverse` of 3 digits after a warm start of 60 supervised
+steps), lifts the greedy eval reward on the held-out prompts by at least MARGIN within
+LIFT_UPDATES RL updates.
 
-import json
-import subprocess
-import sys
+MARGIN is set from what scripts/learning_check.py measured (README "Learning"): with seed 0 the
+warm start leaves the greedy eval reward at 0.42, and after 60 updates it stood at 0.65-0.74 for
+GRPO, PPO and DPPO (a lift of 0.23-0.32), above 0.9 by update 80-100. Greedy decoding on fixed
+prompts and a bitwise-deterministic run make the lift a fixed number for a fixed program: a lift
+under MARGIN means the learning got worse, not noise."""
+
+import pytest
 
 from tests.train.helpers import run_train
 
+MARGIN = 0.15
+LIFT_UPDATES = 60
 
-def test_grpo_learns_multi_token_reverse(tmp_path):
-    run_dir = tmp_path / "grpo_reverse"
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dppo", "flow_dppo"])
+def test_warm_started_reverse_is_lifted_by_rl(tmp_path, algorithm):
     rows = run_train(
-        run_dir,
-        "grpo.py",
-        "--config.data.task=reverse",
-        "--config.data.num_digits=2",
-        "--config.data.reward=format",
-        "--config.rollout.max_new_tokens=2",
-        "--config.optim.lr=2e-3",
-        "--config.total_updates=120",
-        "--config.eval_every=20",
+        tmp_path / algorithm,
+        f"{algorithm}.py",
+        f"--config.total_updates={LIFT_UPDATES}",
+        f"--config.eval_every={LIFT_UPDATES}",
+        "--config.checkpoint_every=0",
         "--config.progress=false",
-        "--config.checkpoint_every=1000",
         timeout=1200,
     )
-    curve = [r.get("eval_reward") for r in rows if "eval_reward" in r]
-    assert len(rows) == 120
-    assert rows[0]["eval_reward"] <= 0.2
-    assert rows[-1]["final_eval_reward"] >= 0.8, curve
-    cmd = [sys.executable, "-m", "jaxloop.evaluate", "--checkpoint", str(run_dir)]
-    proc = subprocess.run(
-        [*cmd, "--reward", "exact_match"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    exact = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert exact["greedy_reward"] >= 0.7, (exact, curve)  # both digits right, not just the first
+    assert len(rows) == LIFT_UPDATES
+    start, final = rows[0]["eval_reward"], rows[-1]["final_eval_reward"]
+    assert rows[0]["warm_start_eval_after"] == start  # update 0 evaluates the warm-started actor
+    assert start <= 0.5, start  # the warm start leaves room: RL does the lifting
+    assert final >= start + MARGIN, (algorithm, start, final)

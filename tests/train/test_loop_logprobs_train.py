@@ -7,7 +7,7 @@ import pytest
 
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.train import LogprobMismatchError, check_engine_logprobs, main
-from tests.train.helpers import read_rows
+from tests.train.helpers import UNIT, read_rows
 from tests.train.test_early_exit_train import LOOPS, OURO
 
 
@@ -15,6 +15,7 @@ def test_every_loop_is_checked_against_the_engine(tmp_path):
     args = [
         "--config",
         "grpo.py",
+        *UNIT,
         *OURO,
         "--config.rollout.early_exit=threshold",
         "--config.rollout.exit_threshold=0.6",
