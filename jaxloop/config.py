@@ -465,6 +465,22 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
     return c
 
 
+ALGORITHM_CONFIGS = ("ppo.py", "grpo.py", "dppo.py", "flow_dppo.py")
+
+
+def unit_overrides(names=ALGORITHM_CONFIGS) -> tuple[str, ...]:
+    """`--config.KEY=VALUE` overrides that put base_config()'s value back for every key the
+    given config files change (except algorithm, run_dir, total_updates): the one-token unit
+    setting of tests and scripts/chaos.py, whatever learning recipe the configs carry."""
+    base = dict(flat_items(base_config()))
+    keys = set()
+    for name in names:
+        for key, value in flat_items(load_config_file(name)):
+            if key not in ("algorithm", "run_dir", "total_updates") and base[key] != value:
+                keys.add(key)
+    return tuple(f"--config.{key}={base[key]}" for key in sorted(keys))
+
+
 def resolve_config_path(name: str) -> Path:
     path = Path(name)
     if path.is_file():

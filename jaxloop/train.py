@@ -563,7 +563,12 @@ class Trainer:
                             "data_cursor": self.producer.state(),
                             "seed": cfg.seed,
                             "batches_ahead": self.pipeline.state(),
-                            "warm_start": self.warm_start,
+                            # the record, not its timing: a rerun computes the same record
+                            "warm_start": {
+                                k: v
+                                for k, v in self.warm_start.items()
+                                if k != "warm_start_seconds"
+                            },
                         },
                     )
         finally:

@@ -11,7 +11,7 @@ from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.packing import pack_groups, row_bucket
 from jaxloop.train import main
 from tests.rl.test_learner import CFG, _Run
-from tests.train.helpers import TINY, read_rows, stable
+from tests.train.helpers import TINY, UNIT, read_rows, stable
 
 PACK = 24  # the longest sample below has 23 input tokens
 RESPONSE_LENGTHS = (2, 3, 19, 2, 5, 2, 8, 3)  # long-tailed: one long answer, many short ones
@@ -128,7 +128,13 @@ def test_a_segment_cannot_see_another():
 def test_pack_tokens_shorter_than_the_longest_sample_is_a_one_line_error(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(
-        ["--config", "grpo.py", "--config.learner.pack_tokens=32", f"--config.run_dir={run_dir}"]
+        [
+            "--config",
+            "grpo.py",
+            *UNIT,
+            "--config.learner.pack_tokens=32",
+            f"--config.run_dir={run_dir}",
+        ]
     )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err

@@ -6,26 +6,11 @@ import sys
 import time
 from pathlib import Path
 
+from jaxloop.config import unit_overrides
 from jaxloop.metrics import TIMING_METRICS
 
-
-def _unit_defaults() -> tuple[str, ...]:
-    """Overrides that put base_config()'s values back for every key the algorithm configs
-    (configs/{ppo,grpo,dppo,flow_dppo}.py: the multi-token learning recipe with a warm start)
-    change: tests of the machinery run the one-token unit setting, whatever the recipe says."""
-    from jaxloop.config import base_config, flat_items, load_config_file
-
-    base = dict(flat_items(base_config()))
-    keys = set()
-    for name in ("ppo", "grpo", "dppo", "flow_dppo"):
-        for key, value in flat_items(load_config_file(f"{name}.py")):
-            # every test sets its own total_updates (and may do so before TINY)
-            if key not in ("algorithm", "run_dir", "total_updates") and base[key] != value:
-                keys.add(key)
-    return tuple(f"--config.{key}={base[key]}" for key in sorted(keys))
-
-
-UNIT = _unit_defaults()
+# the one-token unit setting: the algorithm configs carry the multi-token learning recipe
+UNIT = unit_overrides()
 # A small model and batch for tests that only need the loop to run.
 TINY = (
     *UNIT,

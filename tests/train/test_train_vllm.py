@@ -16,12 +16,13 @@ import pytest
 import ray
 
 from jaxloop.config import default_logprob_diff
-from tests.train.helpers import read_rows, stable, train_process
+from tests.train.helpers import UNIT, read_rows, stable, train_process
 
 pytestmark = pytest.mark.slow
 
 ALGORITHMS = ["ppo", "grpo", "dppo", "flow_dppo"]
 TINY = [
+    *UNIT,
     "--config.model.hidden_size=64",
     "--config.model.intermediate_size=64",
     "--config.model.num_layers=1",
