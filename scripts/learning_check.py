@@ -5,8 +5,8 @@
         [--out runs/learning_check] [--config.key=value ...]
 
 A task is `NAME[:DIGITS][+warm]`: built-in task NAME with DIGITS digits (default 3), trained with
-each algorithm's own defaults from its config file; `+warm` adds `warm_start.sft_steps=N`
-(--warm-steps) SFT steps before the first RL update. `default` is the config's own job (the
+each algorithm's own settings from its config file; `+warm` runs `warm_start.sft_steps=N`
+(--warm-steps) SFT steps before the first RL update, without it the run starts from random init. `default` is the config's own job (the
 README's default job). Per task only what the task needs changes: `data.task`,
 `data.num_digits`, `rollout.max_new_tokens` (the longest answer plus one for EOS), the `format`
 reward. Every other argument goes to `jaxloop.train` (after these, so it wins).
@@ -85,7 +85,8 @@ def run_one(algorithm, task, warm, seed, args, extra) -> dict:
         "--config.progress=false",
         "--config.checkpoint_every=0",
         *task_overrides(task),
-        *([f"--config.warm_start.sft_steps={args.warm_steps}"] if warm else []),
+        # +warm: the warm start; without it none (the configs carry one)
+        *([] if task == "default" else [f"--config.warm_start.sft_steps={warm * args.warm_steps}"]),
         *([f"--config.total_updates={args.updates}"] if args.updates else []),
         *extra,
     ]
