@@ -6,10 +6,10 @@
 
 A task is `NAME[:DIGITS][+warm]`: built-in task NAME with DIGITS digits (default 3), trained with
 each algorithm's own settings from its config file; `+warm` runs `warm_start.sft_steps=N`
-(--warm-steps) SFT steps before the first RL update, without it the run starts from random init. `default` is the config's own job (the
-README's default job). Per task only what the task needs changes: `data.task`,
-`data.num_digits`, `rollout.max_new_tokens` (the longest answer plus one for EOS), the `format`
-reward. Every other argument goes to `jaxloop.train` (after these, so it wins).
+(--warm-steps) SFT steps before the first RL update, without it the run starts from random init.
+`default` is the config's own job (the README's default job). Per task only what the task needs
+changes: `data.task`, `data.num_digits`, `rollout.max_new_tokens` (the longest answer plus one
+for EOS), the `format` reward. Every other argument goes to `jaxloop.train` (after these: it wins).
 
 Prints one table (eval reward before any training, after the warm start = at update 0, final,
 the first update and the minutes of training at which greedy eval reached --target) and one JSON
