@@ -465,6 +465,25 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
     return c
 
 
+def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The tiny model's multi-token recipe that configs/{ppo,grpo,dppo,flow_dppo}.py share (README
+    "Learning"): `reverse` of 3 digits with the `format` reward, 60 supervised warm-start steps,
+    150 updates of 2 optimizer steps each; a critic trains alone for 5 updates at lr 5e-3."""
+    from jaxloop.rl.algorithms import get_algorithm
+
+    config.data.task = "reverse"
+    config.data.num_digits = 3
+    config.data.reward = "format"  # partial credit for a right prefix of the answer
+    config.rollout.max_new_tokens = 4  # the answer and EOS
+    config.warm_start.sft_steps = 60
+    config.total_updates = 150
+    config.updates_per_rollout = 2
+    if get_algorithm(config.algorithm).uses_critic:
+        config.critic.lr = 5e-3
+        config.critic.warmup_updates = 5
+    return config
+
+
 ALGORITHM_CONFIGS = ("ppo.py", "grpo.py", "dppo.py", "flow_dppo.py")
 
 
