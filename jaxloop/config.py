@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -681,8 +682,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("steps", "batch_size"):
         if cfg.sft[key] < 1:
             raise UsageError(f"sft.{key} must be >= 1 (got {cfg.sft[key]})")
-    if not cfg.sft.lr > 0:
-        raise UsageError(f"sft.lr must be > 0 (got {cfg.sft.lr})")
+    if not (cfg.sft.lr > 0 and math.isfinite(cfg.sft.lr)):
+        raise UsageError(f"sft.lr must be a finite number > 0 (got {cfg.sft.lr})")
     if cfg.warm_start.sft_steps < 0:
         raise UsageError(f"warm_start.sft_steps must be >= 0 (got {cfg.warm_start.sft_steps})")
     if cfg.warm_start.sft_steps > 0 and cfg.rollout.engine != "jax":

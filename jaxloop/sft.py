@@ -74,30 +74,10 @@ SFT_KEYS = (
     "mesh",
     "dist",
 )
-# keys a resume may change (where and how the run executes, how often it logs, when it stops);
-# every other key SFT reads is the run's math and must match the run dir's config.json
-SFT_RESUME_FREE = (
-    "run_dir",
-    "stop_after",
-    "micro_batch_size",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "eval_every",
-    "eval_prompts",
-    "progress",
-    "verbose",
-    "sft.steps",
-    "model.hf_dir",
-    "model.init_checkpoint",
-    "model.remat",
-    "model.attention_impl",
-    "model.logits_chunk",
-    "data.eval_source",
-    "rollout.max_new_tokens",
-    "optim.max_skipped_updates",
-    "mesh",
-    "dist",
-)
+# keys an SFT resume may change beyond the trainer's resume-free keys: the run's length and the
+# eval's answer budget; the prompt budget sets SFT's row length, so it stays
+SFT_RESUME_FREE = ("sft.steps", "rollout.max_new_tokens")
+SFT_RESUME_FIXED = ("data.max_prompt_tokens",)
 SFT_PROGRESS_KEYS = ("sft_loss", "sft_token_accuracy", "eval_accuracy")
 WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
 
@@ -219,6 +199,16 @@ def _covered(key: str, keys) -> bool:
     return any(key == k or key.startswith(k + ".") for k in keys)
 
 
+def _sft_resume_free(key: str) -> bool:
+    """Whether an SFT resume may change `key`: the trainer's rule (train.RESUME_FREE_KEYS and
+    RESUME_FREE_SECTIONS) with SFT's own additions and exceptions."""
+    from jaxloop.train import RESUME_FREE_KEYS, RESUME_FREE_SECTIONS
+
+    if key in SFT_RESUME_FIXED:
+        return False
+    return key in SFT_RESUME_FREE or key in RESUME_FREE_KEYS or key.startswith(RESUME_FREE_SECTIONS)
+
+
 def check_sft_resume(cfg, run_dir: Path) -> None:
     """Refuse to resume an SFT run dir with a config whose math differs from its config.json."""
     from jaxloop.config import flat_items
@@ -232,7 +222,7 @@ def check_sft_resume(cfg, run_dir: Path) -> None:
     except (ValueError, AttributeError) as err:
         raise RunDirError(f"{stored_path} is unreadable ({err})") from None
     for key, value in flat_items(cfg):
-        if not _covered(key, SFT_KEYS) or _covered(key, SFT_RESUME_FREE):
+        if not _covered(key, SFT_KEYS) or _sft_resume_free(key):
             continue
         value = json.loads(json.dumps(value))
         if key in stored and stored[key] != value:
