@@ -8,6 +8,7 @@ Layout: 8-byte little-endian header length, JSON header (padded to 8 bytes), raw
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -98,23 +99,41 @@ def parse(data) -> list[tuple[str, np.ndarray]]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            tag = info["dtype"]
-            if tag not in DTYPES:
-                raise FormatError(f"tensor {name} has unsupported dtype {tag}")
+            if not isinstance(info, dict):
+                raise FormatError(f"tensor {name}: header entry is not a JSON object")
+            tag = info.get("dtype")
+            if not isinstance(tag, str) or tag not in DTYPES:
+                raise FormatError(f"tensor {name} has unsupported dtype {tag!r}")
             dtype = DTYPES[tag]
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
+            shape = _ints(info.get("shape"), f"tensor {name} has shape")
+            offsets = _ints(info.get("data_offsets"), f"tensor {name} has data offsets")
+            if len(offsets) != 2:
+                raise FormatError(
+                    f"tensor {name} has data offsets {list(offsets)}, not [start, end]"
+                )
+            start, end = offsets
             if not 0 <= start <= end <= len(body):
                 raise FormatError(f"tensor {name} has data offsets out of range")
-            if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            # exact (Python ints): a product of huge dimensions must not wrap around
+            if end - start != math.prod(shape) * dtype.itemsize:
                 raise FormatError(f"tensor {name}: {end - start} bytes do not fit shape {shape}")
             arr = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
             out.append((name, arr))
         return out
     except FormatError:
         raise
-    except (ValueError, KeyError, TypeError, struct.error) as e:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, struct.error) as e:
         raise FormatError(str(e)) from e
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+    """A header's list of non-negative integers (a shape or data offsets), else FormatError."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise FormatError(f"{what} {text}, not a list of integers >= 0")
+    return tuple(value)
 
 
 def read_file(path: str | Path) -> list[tuple[str, np.ndarray]]:

@@ -56,7 +56,7 @@ def read_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
     """LoopedConfig fields (family, dimensions, loops, arch flags) of an HF config.json dict."""
     readers = hf_readers()
     model_type = hf.get("model_type")
-    if model_type not in readers:
+    if not isinstance(model_type, str) or model_type not in readers:
         raise ConfigError(
             f"model_type={model_type!r} is not supported; expected one of {sorted(readers)}"
         )

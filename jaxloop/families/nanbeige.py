@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxloop.families.common import ConfigError, common_fields
+from jaxloop.families.common import ConfigError, common_fields, read_bool, read_dim
 from jaxloop.families.tables import TensorMap
 
 FAMILY = "nanbeige"
@@ -46,15 +46,15 @@ BACKBONE_TABLE: list[TensorMap] = [
 
 
 def read_nanbeige(hf: dict) -> dict[str, Any]:
-    if hf.get("enable_double_loop_split", False):
+    if read_bool(hf, "enable_double_loop_split"):
         raise ConfigError("enable_double_loop_split=true is not implemented")
-    if hf.get("loop_share_kv", False):
+    if read_bool(hf, "loop_share_kv"):
         raise ConfigError("loop_share_kv=true is not implemented (each loop keeps its own KV)")
     fields = common_fields(hf)
     fields.update(
         family=FAMILY,
-        num_loops=int(hf.get(LOOP_KEY, 1)),
-        norm_between_loops=not bool(hf.get("skip_loop_final_norm", False)),
+        num_loops=read_dim(hf, LOOP_KEY, 1),
+        norm_between_loops=not read_bool(hf, "skip_loop_final_norm"),
     )
     return fields
 

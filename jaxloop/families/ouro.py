@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxloop.families import nanbeige
-from jaxloop.families.common import common_fields, require
+from jaxloop.families.common import common_fields, read_dim
 from jaxloop.families.tables import TensorMap
 
 FAMILY = "ouro"
@@ -36,7 +36,7 @@ def read_ouro(hf: dict) -> dict[str, Any]:
     fields = common_fields(hf)
     fields.update(
         family=FAMILY,
-        num_loops=int(require(hf, LOOP_KEY)),
+        num_loops=read_dim(hf, LOOP_KEY),
         sandwich_norm=SANDWICH_NORM,
         early_exit_gate=EARLY_EXIT_GATE,
     )

@@ -143,7 +143,10 @@ def read_hf_config(path: str | Path) -> tuple[LoopedConfig, str]:
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory")
     cfg = LoopedConfig.from_hf_dir(path)
-    return cfg, cfg.hf_config.get(ROLE_KEY, "actor")
+    role = cfg.hf_config.get(ROLE_KEY, "actor")
+    if role not in ("actor", "critic"):
+        raise ConfigError(f"{path / 'config.json'}: {ROLE_KEY}={role!r}; expected 'critic' or none")
+    return cfg, role
 
 
 def load_hf(

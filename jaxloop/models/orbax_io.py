@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxloop.models.config import LoopedConfig
+from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_io import (
     ROLE_KEY,
@@ -171,11 +171,19 @@ def read_config(run_dir: str | Path, role: str = "actor") -> LoopedConfig:
     path = Path(run_dir).resolve() / config_file(role)
     if not path.is_file():
         raise RunDirError(f"{run_dir} has no {role} model ({path.name} missing)")
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are both
+        raise RunDirError(f"{path} is not valid JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(hf, dict):
+        raise RunDirError(f"{path} is not a JSON object")
     stored_role = hf.get(ROLE_KEY, "actor")
     if stored_role != role:
-        raise RunDirError(f"{path} describes a {stored_role}, not a {role}")
-    return LoopedConfig.from_hf_dict(hf)
+        raise RunDirError(f"{path} describes a {stored_role!r} model, not a {role}")
+    try:
+        return LoopedConfig.from_hf_dict(hf)
+    except ConfigError as err:
+        raise RunDirError(f"{path}: {err}") from None
 
 
 class _DropUnrestorableItemWarnings(logging.Filter):
