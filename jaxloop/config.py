@@ -27,6 +27,11 @@ class UsageError(ValueError):
     """Bad command line or config: reported as one line on stderr with exit code 2."""
 
 
+class UserCodeError(UsageError):
+    """User code (a config file, a reward function) failed or returned the wrong thing: one line
+    naming the file or function and the exception, exit code 2 (jaxloop/errors.py)."""
+
+
 # Engine vs trainer selected log-prob bound when rollout.max_logprob_diff is 0. The embedded
 # sampler in fp32 runs the trainer's own model (measured ~5e-7); bf16 compute (measured ~2.4e-3
 # on the tiny model) and vLLM (other kernels) get the bound of the reference PyTorch stack.

@@ -1,0 +1,79 @@
+"""The one exception boundary of the command-line entry points (train, sft, evaluate, plot,
+launch, conversion.from_hf / to_hf).
+
+A *user error* is a bad input: a config value, a file, a run dir, user code (a config file or a
+reward function that raises or returns the wrong thing). It is reported as one line on stderr,
+`error: <what>`, with exit code 2. The user-error types are the ones `user_error_types()` lists
+(validation raises them; guarded user code is re-raised as `UserCodeError`); an entry point may
+add its own (`extra`). A write the file system refuses (disk full, read-only, permissions) is one
+too. Anything else is a bug: it keeps its traceback (exit code 1), so no catalogue of bad inputs
+can be passed by swallowing every exception.
+
+    from jaxloop.errors import run_entry_point
+
+    def main(argv=None) -> int:
+        return run_entry_point(lambda: _main(argv))
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from collections.abc import Callable
+
+from jaxloop.config import UsageError, UserCodeError
+
+__all__ = [
+    "WRITE_ERRNOS",
+    "UsageError",
+    "UserCodeError",
+    "error_line",
+    "run_entry_point",
+    "user_error_types",
+]
+
+# OSError numbers of a write the file system refuses: a user error (exit 2), not a bug
+WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The documented user-error types (imported lazily: this module stays light)."""
+    from jaxloop.data.datasets import DataError
+    from jaxloop.data.tokenizer import TokenizerError
+    from jaxloop.families.common import ConfigError
+    from jaxloop.models.hf_io import CheckpointError
+    from jaxloop.models.orbax_io import RunDirError
+
+    return (UsageError, DataError, ConfigError, CheckpointError, RunDirError, TokenizerError)
+
+
+def error_line(err: BaseException, prefix: str = "") -> str:
+    """`error: <prefix><first line of the message>` (the type name when the message is empty)."""
+    text = str(err).strip() or type(err).__name__
+    return f"error: {prefix}{text.splitlines()[0]}"
+
+
+def is_user_error(err: BaseException, extra: tuple[type[BaseException], ...] = ()) -> bool:
+    if isinstance(err, user_error_types() + tuple(extra)):
+        return True
+    return isinstance(err, OSError) and err.errno in WRITE_ERRNOS
+
+
+def run_entry_point(
+    body: Callable[[], int],
+    *,
+    extra: tuple[type[BaseException], ...] = (),
+    on_user_error: Callable[[BaseException], None] | None = None,
+) -> int:
+    """`body()`'s exit code; a user error (above) prints one line on stderr and returns 2 after
+    `on_user_error(err)` (e.g. removing what a fresh run created); anything else propagates."""
+    try:
+        return body()
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is a user error
+        if not is_user_error(err, extra):
+            raise
+        if on_user_error is not None:
+            on_user_error(err)
+        prefix = "cannot write: " if isinstance(err, OSError) else ""
+        print(error_line(err, prefix), file=sys.stderr)
+        return 2
