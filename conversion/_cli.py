@@ -1,5 +1,7 @@
-"""What the conversion CLIs share: one-line errors (exit code 2), output-dir checks, and
-progress bars only when stderr is a terminal."""
+"""What the conversion CLIs share: one exception boundary (jaxloop.errors: a user error, i.e. a
+bad command line, output location, HF dir, run dir or checkpoint, or a write the file system
+refuses, is one `error: ...` line on stderr and exit code 2; anything else is a bug and keeps its
+traceback), output-dir checks, and progress bars only when stderr is a terminal."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-EXIT_ERROR = 2
 
 
 class UsageError(ValueError):
@@ -25,6 +25,9 @@ class OneLineParser(argparse.ArgumentParser):
 def check_out_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} exists and is not an empty directory")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is a file, not a directory")
 
 
 def show_progress() -> bool:
@@ -33,10 +36,7 @@ def show_progress() -> bool:
 
 
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None) -> int:
-    """Run `main`; a ValueError/OSError becomes one stderr line and exit code 2."""
-    try:
-        return main(argv)
-    except (ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
+    """Run `main` inside the entry point's one exception boundary (jaxloop.errors)."""
+    from jaxloop.errors import run_entry_point
+
+    return run_entry_point(lambda: main(argv), extra=(UsageError,))

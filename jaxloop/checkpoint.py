@@ -8,7 +8,10 @@ renames it when complete, so a save killed half-way is never listed (and never r
 process writes the shards it owns; a restore reads onto the shardings of the current mesh, which
 may differ from the one that saved (fsdp=8 -> data=2 x tensor=4, or one device).
 `train_state` (JSON) holds the counters of the TrainState (update, policy_version, rng) and the
-data cursor.
+data cursor. After orbax commits a step, process 0 writes its per-item digests
+(models/digests.py: `<step>/jaxloop_digests.json`, last, atomically); `restore` verifies them
+first. Old steps are renamed into checkpoints/.deleted/ and removed there (never half-deleted in
+place).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop.models.orbax_io import CHECKPOINT_DIR, params_item, write_config
+from jaxloop.models import digests
+from jaxloop.models.orbax_io import CHECKPOINT_DIR, check_step, params_item, write_config
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.state import TrainState
 
@@ -45,7 +49,10 @@ class TrainCheckpointer:
         self.manager = ocp.CheckpointManager(
             self.run_dir / CHECKPOINT_DIR,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, enable_async_checkpointing=False
+                max_to_keep=keep,
+                create=True,
+                enable_async_checkpointing=False,
+                todelete_subdir=digests.TRASH_DIR,
             ),
         )
 
@@ -79,10 +86,18 @@ class TrainCheckpointer:
         args[TRAIN_STATE] = ocp.args.JsonSave({**counters, **extra})
         self.manager.save(state.update_count, args=ocp.args.Composite(**args), force=True)
         self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            step_dir = self.run_dir / CHECKPOINT_DIR / str(state.update_count)
+            self.digest_seconds = digests.write_digests(step_dir)
+            digests.empty_trash(self.run_dir / CHECKPOINT_DIR)
 
-    def restore(self, step: int, abstract: TrainState, shardings: TrainState):
+    def restore(self, step: int, abstract: TrainState, shardings: TrainState, verify=True):
         """The TrainState of `step` placed on `shardings` (any mesh), and the JSON extras.
-        `abstract` gives shapes and dtypes (e.g. `jax.eval_shape` of the state builder)."""
+        `abstract` gives shapes and dtypes (e.g. `jax.eval_shape` of the state builder).
+        verify: check the step's digests first (RunDirError when they differ; a warning when the
+        step has none); False when the caller has just done so."""
+        if verify:
+            check_step(self.run_dir, step)
         targets = {
             item: _abstract(tree, self._arrays(shardings)[item])
             for item, tree in self._arrays(abstract).items()

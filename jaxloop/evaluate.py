@@ -223,31 +223,23 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxloop.data.datasets import DataError
-    from jaxloop.data.tokenizer import TokenizerError
-    from jaxloop.models import ConfigError
-    from jaxloop.models.hf_io import CheckpointError
-    from jaxloop.models.orbax_io import RunDirError
+    """The entry point's one exception boundary (jaxloop.errors): a user error (a bad command
+    line, run dir, checkpoint, data file, tokenizer or reward) is one `error: ...` line on stderr
+    and exit code 2; anything else is a bug and keeps its traceback."""
+    from jaxloop.errors import run_entry_point
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip())
         return 0
-    try:
+
+    def body() -> int:
         result = evaluate_run(parse_args(argv))
-    except (
-        EvalUsageError,
-        DataError,
-        TokenizerError,
-        ConfigError,
-        CheckpointError,
-        RunDirError,
-    ) as err:
-        print(f"error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
-    print(format_table(result))
-    print(json.dumps(result))
-    return 0
+        print(format_table(result))
+        print(json.dumps(result))
+        return 0
+
+    return run_entry_point(body, extra=(EvalUsageError,))
 
 
 if __name__ == "__main__":

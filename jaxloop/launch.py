@@ -13,11 +13,13 @@ runs the same SPMD program; JAX's own runtime does the collectives.
   processes; it is not on the training path.
 
 The exit code is the first failing process's (0 when all succeed); a failure stops the others.
+A bad launch command line (no `--`, --num-processes < 1...) is one `error: ...` line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -141,11 +143,26 @@ def launch_ray(
     return next((c for c in codes if c != 0), 0)
 
 
+class LaunchUsageError(ValueError):
+    """A bad launch command line (one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2 (no usage block)
+        raise LaunchUsageError(message)
+
+
+USAGE = "python -m jaxloop.launch --num-processes N [...] -- <train args>"
+
+
 def parse(argv: list[str]):
     if "--" not in argv:
-        raise SystemExit("usage: python -m jaxloop.launch --num-processes N [...] -- <train args>")
+        if "-h" in argv or "--help" in argv:
+            print(__doc__.strip())
+            raise SystemExit(0)
+        raise LaunchUsageError(f"no `--` before the training arguments (usage: {USAGE})")
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m jaxloop.launch")
+    p = _Parser(prog="python -m jaxloop.launch", usage=USAGE)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=None, help="fake CPU devices")
     p.add_argument("--ray", action="store_true", help="one process per node of a Ray cluster")
@@ -154,12 +171,16 @@ def parse(argv: list[str]):
     p.add_argument("--gpus-per-process", type=float, default=0.0)
     args = p.parse_args(argv[:split])
     if args.num_processes < 1:
-        p.error("--num-processes must be >= 1")
+        p.error(f"--num-processes must be >= 1 (got {args.num_processes})")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        p.error(f"--devices-per-process must be >= 1 (got {args.devices_per_process})")
+    if not (args.gpus_per_process >= 0 and math.isfinite(args.gpus_per_process)):
+        p.error(f"--gpus-per-process must be a finite number >= 0 (got {args.gpus_per_process})")
     return args, argv[split + 1 :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, train_args = parse(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str]) -> int:
+    args, train_args = parse(argv)
     if args.ray:
         resources = {"CPU": 1.0}
         if args.gpus_per_process:
@@ -173,6 +194,16 @@ def main(argv: list[str] | None = None) -> int:
             args.devices_per_process,
         )
     return launch_local(train_args, args.num_processes, args.devices_per_process)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The one exception boundary (jaxloop.errors): a bad launch command line is one `error: ...`
+    line and exit code 2 (the trainer processes' own errors are theirs: the exit code is the
+    first failing process's)."""
+    from jaxloop.errors import run_entry_point
+
+    argv = sys.argv[1:] if argv is None else argv
+    return run_entry_point(lambda: _main(argv), extra=(LaunchUsageError,))
 
 
 if __name__ == "__main__":

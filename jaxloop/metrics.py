@@ -19,8 +19,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxloop.config import UsageError
+
 __all__ = [
     "METRICS_FILE",
+    "MetricsFileError",
     "PROGRESS_KEYS",
     "MetricsProgress",
     "MetricsWriter",
@@ -53,10 +56,21 @@ def _to_float(key: str, value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+class MetricsFileError(UsageError):
+    """A metrics.jsonl that is damaged beyond a line cut short (bytes that are not UTF-8)."""
+
+
 def _read_lines(path: Path) -> list[dict]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise MetricsFileError(
+                    f"{path}: line {lineno} is not UTF-8 (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}): the file is damaged; repair or delete that line"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -71,7 +85,8 @@ def _read_lines(path: Path) -> list[dict]:
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The rows of <run_dir>/metrics.jsonl (null metrics as None); FileNotFoundError if absent.
 
-    Blank or truncated lines are skipped.
+    Blank or truncated lines are skipped; a line of bytes that are not UTF-8 is a
+    MetricsFileError (a UsageError: one line, exit 2) naming it.
     """
     return _read_lines(Path(run_dir) / METRICS_FILE)
 

@@ -1,8 +1,10 @@
 """Plot a run's learning curves: `python -m jaxloop.plot RUN_DIR [--out PNG] [--keys k1,k2]`.
 
 Writes <RUN_DIR>/curves.png (or --out) with one subplot per metric against the update number.
-Exit code 2 with a one-line error on stderr when the run dir or its metrics are missing/empty or
-none of the requested keys has a value.
+Exit code 2 with a one-line `error: ...` on stderr (jaxloop.errors' boundary) when the command
+line is wrong, the run dir or its metrics are missing, empty or damaged (bytes that are not
+UTF-8), none of the requested keys has a value, or --out is a directory / cannot be written;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ DEFAULT_KEYS = (
 
 
 class PlotError(Exception):
-    pass
+    """A bad command line, run dir or output path (a user error: one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        raise PlotError(message)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -60,6 +67,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys=None) -> P
     if not data:
         present = sorted({k for r in rows for k in r if k != "update"})
         raise PlotError(f"none of the keys {wanted} has values in {run_dir}; present: {present}")
+    out = Path(out) if out else run_dir / "curves.png"
+    if out.is_dir():
+        raise PlotError(f"--out {out} is a directory; give the path of a .png file")
+    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise PlotError(f"--out {out}: {parent} is a file, not a directory")
 
     import matplotlib
 
@@ -80,7 +93,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys=None) -> P
         ax.set_visible(False)
     fig.suptitle(run_dir.name, fontsize=11)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -88,19 +100,19 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys=None) -> P
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxloop.plot", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir")
-    ap.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
-    ap.add_argument("--keys", default=None, help="comma-separated metric names")
-    args = ap.parse_args(argv)
-    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
-    try:
-        out = plot_run(args.run_dir, args.out, keys)
-    except PlotError as e:
-        print(f"jaxloop.plot: error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+    from jaxloop.errors import run_entry_point
+
+    def body() -> int:
+        ap = _Parser(prog="python -m jaxloop.plot", description=__doc__.split("\n")[0])
+        ap.add_argument("run_dir")
+        ap.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+        ap.add_argument("--keys", default=None, help="comma-separated metric names")
+        args = ap.parse_args(argv)
+        keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
+        print(plot_run(args.run_dir, args.out, keys))
+        return 0
+
+    return run_entry_point(body, extra=(PlotError,))
 
 
 if __name__ == "__main__":

@@ -33,10 +33,10 @@ from jaxloop.config import (
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
-from jaxloop.metrics import MetricsWriter, progress
+from jaxloop.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
 from jaxloop.models.hf_io import CheckpointError, abstract_model, read_hf_config
-from jaxloop.models.orbax_io import RunDirError, read_config, restore_model
+from jaxloop.models.orbax_io import RunDirError, check_step, read_config, restore_model
 from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
@@ -435,8 +435,8 @@ class Trainer:
         # warm start: recorded in every checkpoint, so a resume never repeats it
         self.warm_start: dict = {}
         if step is not None:
-            self.state, extra = self.checkpointer.restore(
-                step, self.training.abstract_state(), self.training.shardings
+            self.state, extra = self.checkpointer.restore(  # verified by check_resume
+                step, self.training.abstract_state(), self.training.shardings, verify=False
             )
             cursor = extra["data_cursor"]
             ahead = extra.get("batches_ahead", [])
@@ -881,10 +881,7 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
                 )
     actor_path = run_dir / "actor_config.json"
     if actor_path.is_file():
-        try:
-            before = LoopedConfig.from_hf_dict(json.loads(actor_path.read_text()))
-        except ValueError as err:
-            raise RunDirError(f"{actor_path} is unreadable ({err})") from None
+        before = read_config(run_dir, "actor")  # RunDirError when it is not a model config
         for name in ARCHITECTURE_FIELDS:
             old, new = getattr(before, name), getattr(training.model_cfg, name)
             if old != new:
@@ -922,6 +919,10 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
     for item, field in ARRAY_ITEMS.items():
         if item in want and field.endswith("_params"):
             _check_stored_shapes(ckpt / item, getattr(abstract, field), run_dir, step, delete)
+    # the bytes: every item against the digests written at save (a same-size corruption too)
+    check_step(run_dir, step, fallback=f"move {ckpt} out of checkpoints/ to resume from it")
+    if (run_dir / METRICS_FILE).is_file():
+        read_metrics(run_dir)  # MetricsFileError (one line) when it is damaged
 
 
 def _check_stored_shapes(item_dir: Path, abstract, run_dir, step, delete) -> None:

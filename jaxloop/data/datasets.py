@@ -188,8 +188,15 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}: line {lineno} is not UTF-8 (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -147,7 +147,8 @@ class HFTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - surface one clear error
-            raise TokenizerError(f"cannot load a tokenizer from {path}: {e}") from e
+            why = " ".join(str(e).split()) or type(e).__name__  # transformers: several lines
+            raise TokenizerError(f"cannot load a tokenizer from {path}: {why}") from e
         self.path = path
         self.tok = tok
         if tok.eos_token_id is None:

@@ -162,7 +162,8 @@ def load_hf(
 
     dtype: parameter dtype (None keeps the checkpoint's); compute_dtype defaults to dtype.
     Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor (all checked
-    from the file headers before any tensor data is read).
+    from the file headers before any tensor data is read); so does a tensor holding a NaN or an
+    infinity (checked as its bytes are read, naming the first index).
     mesh: every parameter goes straight onto NamedSharding(mesh, logical_to_spec(its
     logical_axes)), built with jax.make_array_from_callback from its host buffer (each device
     takes only its slices); default: the default device.
@@ -330,8 +331,34 @@ def _fill(f, file: Path, entry: _Entry, dest: np.ndarray) -> None:
             if not got:
                 raise CheckpointError(f"{file.name}: tensor {entry.name} is truncated")
             done += got
+        _check_finite(target, entry, file, r0 * row_bytes)
         if not direct:
             dest[r0:r1] = target.view(entry.dtype).reshape((r1 - r0, *dest.shape[1:]))
+
+
+def _check_finite(raw: np.ndarray, entry: _Entry, file: Path, start_byte: int) -> None:
+    """CheckpointError when a chunk of a tensor's source bytes holds a NaN or an infinity (an
+    integer test of the exponent bits: no float pass over the weights)."""
+    dtype = np.dtype(entry.dtype)
+    flat = raw.reshape(-1).view(np.uint8)
+    if dtype.itemsize == 2:
+        # float16: 5 exponent bits; bfloat16: 8 (all set: inf or NaN)
+        bits, uint = (0x7C00 if dtype == np.float16 else 0x7F80), np.uint16
+    elif dtype.itemsize == 4:
+        bits, uint = 0x7F800000, np.uint32
+    elif dtype.itemsize == 8:
+        bits, uint = 0x7FF0000000000000, np.uint64
+    else:
+        return
+    words = flat.view(uint)
+    bad = np.flatnonzero((words & uint(bits)) == uint(bits))
+    if bad.size:
+        first = start_byte // dtype.itemsize + int(bad[0])
+        index = np.unravel_index(first, entry.shape) if entry.shape else ()
+        raise CheckpointError(
+            f"{file.name}: tensor {entry.name} holds non-finite values (NaN or inf; the first at "
+            f"index {tuple(int(i) for i in index)}): refusing to load it"
+        )
 
 
 def _place(buffer: np.ndarray, var, mesh: jax.sharding.Mesh | None) -> jax.Array:

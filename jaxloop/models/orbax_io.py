@@ -26,6 +26,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -35,6 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxloop.models import digests
 from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.families import hf_table
 from jaxloop.models.hf_io import (
@@ -78,10 +80,26 @@ def _check_role(role: str) -> None:
 
 
 # ---- save --------------------------------------------------------------------------------------
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a file whole or not at all: a temporary file beside it, fsynced, renamed over it (a
+    kill never leaves it cut short)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_config(run_dir: str | Path, model: LoopedLM) -> None:
-    """run_dir/{role}_config.json for `model`."""
+    """run_dir/{role}_config.json for `model` (atomically)."""
     text = json.dumps(model_hf_config(model), indent=2) + "\n"
-    (Path(run_dir).resolve() / config_file(model.role)).write_text(text)
+    write_text_atomic(Path(run_dir).resolve() / config_file(model.role), text)
 
 
 def save_model(
@@ -119,6 +137,8 @@ def save_model(
     with ocp.CheckpointManager(run_dir / CHECKPOINT_DIR, handler_registry=registry) as mngr:
         mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.StandardSave(pure)}))
         mngr.wait_until_finished()
+    if jax.process_index() == 0:
+        digests.write_digests(run_dir / CHECKPOINT_DIR / str(step))
     return run_dir
 
 
@@ -158,6 +178,46 @@ def _checkpoint_dir(run_dir: str | Path) -> Path:
 def _open(ckpt: Path, registry=None) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(create=False)
     return ocp.CheckpointManager(ckpt, options=options, handler_registry=registry)
+
+
+def check_step(
+    run_dir: str | Path,
+    step: int,
+    items: list[str] | None = None,
+    fallback: str = "pass --step {step} to use it",
+) -> bool:
+    """Verify the digests of `items` (default: all) of `step` (models/digests.py): True when
+    verified; False, with a warning line, when the step has no digest file (unverified). A
+    mismatch or a missing file is a one-line RunDirError naming the step and the newest older
+    step that verifies (`fallback`, formatted with its step, says how to use it)."""
+    ckpt = Path(run_dir).resolve() / CHECKPOINT_DIR
+    try:
+        verified = digests.verify_step(ckpt / str(step), items)
+    except digests.DigestError as err:
+        older = _intact_before(ckpt, step, items)
+        offer = (
+            f"checkpoint {older} verifies: {fallback.format(step=older)}"
+            if older is not None
+            else "no older checkpoint verifies"
+        )
+        raise RunDirError(
+            f"run dir {Path(run_dir)}: checkpoint {step} is corrupt: {err} ({offer})"
+        ) from None
+    if not verified:
+        digests.warn_unverified(step, run_dir)
+    return verified
+
+
+def _intact_before(ckpt: Path, step: int, items: list[str] | None) -> int | None:
+    """The newest step before `step` whose digests verify (None: none does, or none has them)."""
+    older = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir())
+    for s in reversed([s for s in older if s < step]):
+        try:
+            if digests.verify_step(ckpt / str(s), items):
+                return s
+        except digests.DigestError:
+            continue
+    return None
 
 
 def latest_step(run_dir: str | Path) -> int | None:
@@ -233,7 +293,7 @@ def restore_model(
     item = params_item(role)
     ckpt = _checkpoint_dir(run_dir)
     cfg = read_config(run_dir, role)
-    step, stored = _stored_params(ckpt, item, step)
+    step, stored, verified = _stored_params(ckpt, item, step)
     param_dtype = dtype or str(jnp.dtype(stored["embed"].dtype))
     cfg = cfg.replace(
         param_dtype=param_dtype,
@@ -265,7 +325,8 @@ def restore_model(
         progress_bar(total, "restoring", progress) as bar,
     ):
         for path, x in leaves:
-            arrays.append(_restore_one(mngr, step, item, path, x))
+            with _unreadable_as_run_dir_error(ckpt, step, item, verified):
+                arrays.append(_restore_one(mngr, step, item, path, x))
             bar.update(x.size * x.dtype.itemsize)
     nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
     return nnx.merge(graphdef, params, rest)
@@ -281,11 +342,36 @@ def _stored_params(ckpt: Path, item: str, step: int | None) -> tuple[int, dict]:
             step = mngr.latest_step()
         elif step not in steps:
             raise RunDirError(f"{ckpt} has no step {step} (steps: {sorted(steps)})")
-        metadata = mngr.item_metadata(step)
+        if not (ckpt / str(step) / item).is_dir():
+            items = sorted(p.name for p in (ckpt / str(step)).iterdir() if p.is_dir())
+            raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
+        verified = check_step(ckpt.parent, step, [item])
+        with _unreadable_as_run_dir_error(ckpt, step, item, verified):
+            metadata = mngr.item_metadata(step)
         if metadata.get(item) is None:
             items = sorted(metadata.keys())
             raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
-        return step, metadata[item].tree
+        return step, metadata[item].tree, verified
+
+
+@contextlib.contextmanager
+def _unreadable_as_run_dir_error(ckpt: Path, step: int, item: str, verified: bool):
+    """Orbax / tensorstore failures reading a step without digests (or an older one) become a
+    one-line RunDirError naming the step: its files are damaged (cut short, half-deleted...).
+    A step whose digests verified has the bytes it was saved with: a failure there is a bug and
+    keeps its traceback."""
+    try:
+        yield
+    except RunDirError:
+        raise
+    except Exception as err:  # noqa: BLE001 - orbax / tensorstore raise many kinds
+        if verified:
+            raise
+        raise RunDirError(
+            f"checkpoint {step} of {ckpt} is damaged: its {item} is unreadable "
+            f"({type(err).__name__}; the step has no {digests.DIGEST_FILE} to tell which file "
+            "changed)"
+        ) from None
 
 
 def _read_limit(stored: dict, budget_bytes: int) -> int:
@@ -383,7 +469,7 @@ def export_hf(
     item = params_item(role)
     ckpt = _checkpoint_dir(run_dir)
     cfg = read_config(run_dir, role)
-    step, stored = _stored_params(ckpt, item, step)
+    step, stored, verified = _stored_params(ckpt, item, step)
     param_dtype = str(jnp.dtype(stored["embed"].dtype))
     cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=param_dtype)
     _check_shapes(nnx.to_pure_dict(nnx.state(abstract_model(cfg, role), nnx.Param)), stored, item)
@@ -401,7 +487,10 @@ def export_hf(
                 held = (None, None)  # drop the previous parameter before reading the next
                 if large:  # orbax leaves a restored array in a cycle of finished futures too
                     gc.collect()
-                held = (t.path, _restore_host(mngr, step, item, t.path, flat_stored[t.path]))
+                with _unreadable_as_run_dir_error(ckpt, step, item, verified):
+                    param = _restore_host(mngr, step, item, t.path, flat_stored[t.path])
+                held = (t.path, param)
+                del param
             # no local keeps a view of the parameter: it must be freed when `held` moves on
             yield t.name, _hf_tensor(held[1], t)
 
