@@ -220,7 +220,8 @@ SECTIONS = {
 DESCRIPTIONS = {
     "run_dir": "run directory (checkpoints, metrics.jsonl, tb/, curves.png); one with a "
     "checkpoint resumes",
-    "seed": "seed of the model init, the data order and the per-sample sampling seeds",
+    "seed": "seed of the model init, the data order and the per-sample sampling seeds "
+    "(0 .. 2^31 - 1)",
     "algorithm": "ppo | grpo | dppo | flow_dppo",
     "total_updates": "updates of the whole run (raise it to continue a finished run)",
     "stop_after": ">0: stop after this many updates of this process (rerun to resume); 0: off",
@@ -232,7 +233,7 @@ DESCRIPTIONS = {
     "checkpoint_every": (
         "checkpoint every N updates (and after this process's last update); 0: only after the last"
     ),
-    "keep_checkpoints": "checkpoints kept (older ones are deleted)",
+    "keep_checkpoints": "checkpoints kept (>= 1; older ones are deleted)",
     "eval_every": (
         "greedy evaluation on held-out prompts every N updates (and after the last); 0: only after "
         "the last"
@@ -250,7 +251,7 @@ DESCRIPTIONS = {
     "model.num_layers": "built-in model: physical layers (shared by every loop)",
     "model.num_heads": "built-in model: attention heads",
     "model.num_kv_heads": "built-in model: key/value heads (grouped-query attention)",
-    "model.head_dim": "built-in model: head dimension (vLLM on CPU needs >= 32)",
+    "model.head_dim": "built-in model: head dimension (even; vLLM on CPU needs >= 32)",
     "model.num_loops": "built-in model: loops over the layer stack (ouro: total_ut_steps)",
     "model.rope_theta": "built-in model: RoPE base",
     "model.param_dtype": "parameter dtype: float32 | bfloat16",
@@ -369,6 +370,202 @@ DESCRIPTIONS = {
     "draft_features.enabled": "save features to <run_dir>/draft_features/ every update",
     "draft_features.max_tokens_per_update": "feature rows per update at most",
     "draft_features.max_bytes": "feature bytes of the whole run at most",
+}
+
+# ---- value domains: the values every key may take, declared once ----
+# validate() checks every key against its Domain (in a dry run as in a real one) before anything
+# else: a value outside it is a one-line UsageError naming the key, the value and the domain.
+# Cross-key rules (grpo needs >= 2 samples, top_p must be 1, the mesh's one -1, ...) follow in
+# validate(); those that need the model's shape or the device count in validate_mesh().
+INT32_MAX = 2**31 - 1  # counters, sizes and seeds reach jitted int32 code
+FLOAT32_MAX = 3.4028234663852886e38  # every float key is used in float32: finite there
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """A number in [lo, hi] (`open_lo` / `open_hi`: that bound excluded), or one of `also`
+    (values outside the range with a meaning, e.g. -1: off; `off_below_zero`: any negative
+    number, off); a string among `choices` (any
+    string when empty; `any_case`: compared upper-cased), non-empty when `nonempty`. The value's
+    type is base_config()'s (an int key takes ints, a float key ints or floats, never a bool);
+    every float is finite in float32."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    also: tuple = ()
+    choices: tuple[str, ...] = ()
+    nonempty: bool = False
+    any_case: bool = False
+    off_below_zero: bool = False  # any negative number is accepted too (it means: off)
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + "/".join(repr(c) for c in self.choices)
+        if self.nonempty:
+            return "a non-empty string"
+        if self.lo is None and self.hi is None:
+            return "any value of its type"
+        if self.hi is not None and self.hi < FLOAT32_MAX and self.lo is not None:
+            brackets = ("(" if self.open_lo else "[", ")" if self.open_hi else "]")
+            text = f"in {brackets[0]}{_num(self.lo)}, {_num(self.hi)}{brackets[1]}"
+        else:
+            text = f"{'>' if self.open_lo else '>='} {_num(self.lo)}"
+        if self.also:
+            text += "".join(f" or {_num(a)}" for a in self.also)
+        if self.off_below_zero:
+            text += " or < 0 (off)"
+        return text
+
+    def contains(self, value) -> bool:
+        if isinstance(value, str):
+            v = value.upper() if self.any_case else value
+            return (not self.choices or v in self.choices) and (bool(value) or not self.nonempty)
+        if isinstance(value, bool):
+            return True
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            return False
+        if value in self.also or (self.off_below_zero and value < 0):
+            return True
+        if self.lo is not None and (value < self.lo or (self.open_lo and value == self.lo)):
+            return False
+        return self.hi is None or not (value > self.hi or (self.open_hi and value == self.hi))
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+def count(lo: int = 0, hi: int = INT32_MAX, also: tuple = ()) -> Domain:
+    """An integer in [lo, hi] (or one of `also`)."""
+    return Domain(lo, hi, also=also)
+
+
+def positive(hi: float = FLOAT32_MAX, off_below_zero: bool = False) -> Domain:
+    """A number > 0 (and <= hi); `off_below_zero`: or any negative number (off)."""
+    return Domain(0, hi, open_lo=True, off_below_zero=off_below_zero)
+
+
+NON_NEGATIVE = Domain(0, FLOAT32_MAX)
+ANY = Domain()  # bools, and strings checked where they are used (paths, specs)
+
+
+def one_of(*choices: str) -> Domain:
+    return Domain(choices=choices)
+
+
+DOMAINS: dict[str, Domain] = {
+    "run_dir": Domain(nonempty=True),  # "" would train in (and overwrite) the current directory
+    "seed": count(0),  # numpy SeedSequence and jax.random.key take non-negative seeds
+    "algorithm": one_of("ppo", "grpo", "dppo", "flow_dppo"),
+    "total_updates": count(1),
+    "stop_after": count(0),  # 0: off
+    "prompts_per_update": count(1),
+    "n_samples_per_prompt": count(1),
+    "micro_batch_size": count(1),
+    "updates_per_rollout": count(0),  # 0: the algorithm's default
+    "checkpoint_every": count(0),  # 0: only after the last update
+    "keep_checkpoints": count(1),  # 0 would keep none: a resume would delete every checkpoint
+    "eval_every": count(0),  # 0: only after the last update
+    "eval_prompts": count(1),
+    "progress": ANY,
+    "verbose": ANY,
+    "model.hf_dir": ANY,
+    "model.init_checkpoint": ANY,
+    "model.preset": one_of("", "nanbeige-3b", "ouro-1.4b"),
+    "model.family": one_of("nanbeige", "ouro"),
+    "model.vocab_size": count(1),
+    "model.hidden_size": count(1),
+    "model.intermediate_size": count(1),
+    "model.num_layers": count(1),
+    "model.num_heads": count(1),
+    "model.num_kv_heads": count(1),  # a divisor of num_heads (checked with the model)
+    "model.head_dim": count(2),  # even (rotary embeddings; checked with the model)
+    "model.num_loops": count(1),
+    "model.rope_theta": positive(),
+    "model.param_dtype": one_of("float32", "bfloat16"),
+    "model.compute_dtype": one_of("float32", "bfloat16"),
+    "model.remat": one_of("none", "full", "dots"),
+    "model.attention_impl": one_of("xla", "cudnn"),
+    "model.logits_chunk": count(0),  # 0: the whole sequence
+    "model.loop_budget": ANY,  # parsed by parse_loop_budget
+    "data.source": Domain(nonempty=True),
+    "data.eval_source": ANY,
+    "data.task": one_of(
+        "copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10", "reverse", "sort", "add"
+    ),
+    "data.num_digits": count(1),
+    "data.tokenizer": Domain(nonempty=True),
+    "data.reward": Domain(nonempty=True),
+    "data.max_prompt_tokens": count(1),
+    "rollout.engine": one_of("jax", "vllm"),
+    "rollout.temperature": positive(),
+    "rollout.top_p": Domain(0, 1, open_lo=True),  # and 1 in training (validate)
+    "rollout.top_k": count(-1),  # -1: off (and off in training: validate)
+    "rollout.max_new_tokens": count(1),
+    "rollout.early_exit": one_of("none", "threshold", "sample"),
+    "rollout.exit_threshold": Domain(0, 1, open_lo=True),
+    "rollout.max_logprob_diff": NON_NEGATIVE,  # 0: default_logprob_diff
+    "rollout.num_engines": count(1),
+    "rollout.ray_address": ANY,
+    "rollout.publish_bucket_mb": count(1),
+    "rollout.transport": one_of("object_store", "disk"),
+    "rollout.publish": one_of("full", "delta", "delta_xor"),
+    "rollout.engine_timeout_s": positive(),
+    "rollout.publish_timeout_s": positive(),
+    "rollout.engine_log_level": Domain(
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"), any_case=True
+    ),
+    "rollout.max_staleness": count(0),
+    "optim.name": one_of("adamw", "sgd"),
+    "optim.lr": positive(),
+    "optim.schedule": one_of("constant", "cosine", "linear"),
+    "optim.warmup_steps": count(0),
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.b1": Domain(0, 1, open_hi=True),
+    "optim.b2": Domain(0, 1, open_hi=True),
+    "optim.grad_clip": NON_NEGATIVE,  # 0: off
+    "optim.max_skipped_updates": count(1),  # 0 would stop after any update
+    "offload.critic": ANY,
+    "offload.optimizer": ANY,
+    "offload.reference": ANY,
+    "learner.pack_tokens": count(0),  # 0: off; else >= the longest sample (validate)
+    "critic.lr": positive(),
+    "critic.steps_per_rollout": count(1),
+    "critic.loss_scale": positive(),
+    "critic.warmup_updates": count(0),
+    "algo.clip_eps": positive(),
+    "algo.clip_eps_high": positive(off_below_zero=True),  # < 0: clip_eps
+    "algo.dual_clip": Domain(1, FLOAT32_MAX, open_lo=True, off_below_zero=True),
+    "algo.kl_coef": NON_NEGATIVE,
+    "algo.kl_estimator": one_of("k1", "k2", "k3"),
+    "algo.behav_weight_min": NON_NEGATIVE,
+    "algo.behav_weight_max": positive(),
+    "algo.behav_drop_cap": positive(off_below_zero=True),
+    "algo.flow_delta": NON_NEGATIVE,
+    "algo.value_clip": positive(off_below_zero=True),
+    "algo.gamma": Domain(0, 1),
+    "algo.lam": Domain(0, 1),
+    "algo.whiten_advantages": ANY,
+    "algo.grpo_use_std": ANY,
+    "algo.loop_credit": one_of("last", "uniform", "progressive", "exit_pdf"),
+    "algo.reduction": one_of("seq_mean_token_mean", "token_mean"),
+    "algo.entropy_coef": NON_NEGATIVE,
+    "algo.depth_as_action": ANY,
+    "mesh.data": count(1, also=(-1,)),  # -1: the remaining devices
+    "mesh.fsdp": count(1, also=(-1,)),
+    "mesh.tensor": count(1, also=(-1,)),
+    "dist.coordinator_address": ANY,
+    "dist.num_processes": count(0),  # 0: one, or detected
+    "dist.process_id": count(0, also=(-1,)),  # -1: detected
+    "sft.steps": count(1),
+    "sft.batch_size": count(1),
+    "sft.lr": positive(),
+    "warm_start.sft_steps": count(0),
+    "draft_features.enabled": ANY,
+    "draft_features.max_tokens_per_update": count(1),
+    "draft_features.max_bytes": count(1, 2**62),
 }
 
 HELP_WIDTH = 100
@@ -519,13 +716,33 @@ def resolve_config_path(name: str) -> Path:
 def load_config_file(name: str) -> ml_collections.ConfigDict:
     path = resolve_config_path(name)
     spec = importlib.util.spec_from_file_location(f"jaxloop_config_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise UserCodeError(f"config file {path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise UsageError(f"{path} has no get_config()")
-    cfg = module.get_config()
+    try:  # user code: whatever it raises is reported in one line naming the file
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise UsageError(f"config file {path} has no get_config()")
+        cfg = module.get_config()
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - SyntaxError included
+        raise UserCodeError(f"config file {path}: {_exception_text(err)}") from err
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise UserCodeError(
+            f"config file {path}: get_config() returned {type(cfg).__name__}, not a "
+            "ml_collections.ConfigDict (start from jaxloop.config.base_config())"
+        )
     cfg.lock()
     return cfg
+
+
+def _exception_text(err: BaseException) -> str:
+    """`Type: first line of the message` (SyntaxError: with its line number)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, SyntaxError) and err.lineno is not None:
+        text = f"{err.msg} (line {err.lineno})"
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _parse_value(raw: str, current: Any, key: str) -> Any:
@@ -760,6 +977,43 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "
             f"{'/'.join(LOG_LEVELS)}"
         )
+    check_domains(cfg)
+    if [cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")].count(-1) > 1:
+        raise UsageError(f"mesh {cfg.mesh.to_dict()}: at most one axis may be -1")
+
+
+def _type_ok(value, base) -> bool:
+    if isinstance(base, bool):
+        return isinstance(value, bool)
+    if isinstance(base, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(base, float):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, type(base))
+
+
+def check_domains(cfg: ml_collections.ConfigDict) -> None:
+    """Every key's value against its DOMAINS entry and base_config()'s type (UsageError naming
+    the first that is not)."""
+    base = dict(flat_items(base_config()))
+    items = flat_items(cfg)
+    missing = sorted(set(base) - {key for key, _ in items})
+    if missing:
+        raise UsageError(
+            f"the config lacks key(s) {', '.join(missing[:5])} (a config file starts from "
+            "jaxloop.config.base_config())"
+        )
+    for key, value in items:
+        if key not in base:
+            raise UsageError(f"unknown config key {key!r}")
+        if not _type_ok(value, base[key]):
+            raise UsageError(
+                f"{key} must be of type {type(base[key]).__name__} (got {value!r}, "
+                f"{type(value).__name__})"
+            )
+        domain = DOMAINS[key]
+        if not domain.contains(value):
+            raise UsageError(f"{key} must be {domain.describe()} (got {value!r})")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -28,13 +28,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxloop import errors
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_source
-from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.metrics import MetricsWriter, progress
-from jaxloop.models import ConfigError
-from jaxloop.models.hf_io import CheckpointError, abstract_model
+from jaxloop.models.hf_io import abstract_model
 from jaxloop.models.orbax_io import RunDirError
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
@@ -209,6 +208,11 @@ def _sft_resume_free(key: str) -> bool:
     return key in SFT_RESUME_FREE or key in RESUME_FREE_KEYS or key.startswith(RESUME_FREE_SECTIONS)
 
 
+def _sft_changes_math(cfg, key: str) -> bool:
+    """Whether `key` is part of an SFT run's math (read by SFT and not free on resume)."""
+    return _covered(key, SFT_KEYS) and not _sft_resume_free(key)
+
+
 def check_sft_resume(cfg, run_dir: Path) -> None:
     """Refuse to resume an SFT run dir with a config whose math differs from its config.json."""
     from jaxloop.config import flat_items
@@ -271,16 +275,21 @@ class SFTRun:
             cfg.data.max_prompt_tokens,
             cfg.sft.batch_size,
         )
-        self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
-        step = self.checkpointer.latest_step()
+        from jaxloop.summary import checkpoint_steps
+        from jaxloop.train import check_fresh_start
+
+        check_fresh_start(cfg, self.run_dir, _sft_changes_math)  # before anything is written
+        step = (checkpoint_steps(self.run_dir) or [None])[-1]
         abstract = _abstract_sft_state(self.actor_abstract, self.tx)
         if step is not None:
             check_sft_resume(cfg, self.run_dir)
+            self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             self.state, extra = self.checkpointer.restore(step, abstract, self.shardings)
             self.data.restore(extra["data_cursor"])
         else:
             actor = init_actor_params(cfg, model_cfg, self.mesh, self.shardings.actor_params)
             self.state = build_train_state(actor, self.tx, shardings=self.shardings, seed=cfg.seed)
+            self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             if self.is_main:
                 self.checkpointer.write_configs(self.actor_abstract)
                 (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
@@ -389,10 +398,25 @@ def sft_preflight(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxloop.summary import finish_report
-    from jaxloop.train import check_writable
+    """`python -m jaxloop.sft`, behind the entry points' one exception boundary
+    (jaxloop/errors.py): a user error is one line and exit code 2 (what a fresh start had created
+    is removed again), anything else keeps its traceback."""
+    from jaxloop.train import FreshStartCleanup
 
     argv = sys.argv[1:] if argv is None else argv
+    cleanup: list[FreshStartCleanup] = []
+
+    def undo(err) -> None:
+        for fresh in cleanup:
+            fresh.undo(err)
+
+    return errors.run_entry_point(lambda: _main(argv, cleanup), on_user_error=undo)
+
+
+def _main(argv: list[str], cleanup: list) -> int:
+    from jaxloop.summary import finish_report
+    from jaxloop.train import FreshStartCleanup, check_fresh_start, check_writable
+
     started = time.perf_counter()
     run = None
     try:
@@ -405,18 +429,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = command.cfg
         sft_preflight(cfg)
         if command.dry_run:
+            check_fresh_start(cfg, Path(cfg.run_dir).resolve(), _sft_changes_math)
             print(format_tree(cfg))
             print("dry run: the config is valid; nothing was written")
             return 0
         check_writable(cfg.run_dir)
+        cleanup.append(FreshStartCleanup(cfg.run_dir))
         run = SFTRun(cfg)
         if run.start >= cfg.sft.steps:
             print(f"sft run already complete: step {run.start} of {cfg.sft.steps}", file=sys.stderr)
             return 0
         code = run.run()
-    except (UsageError, DataError, ConfigError, CheckpointError, RunDirError, TokenizerError) as e:
-        print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        return 2
     except NonFiniteSFTError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3

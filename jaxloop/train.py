@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxloop import errors
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import (
     UsageError,
@@ -35,7 +36,7 @@ from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
 from jaxloop.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
-from jaxloop.models.hf_io import CheckpointError, abstract_model, read_hf_config
+from jaxloop.models.hf_io import abstract_model, read_hf_config
 from jaxloop.models.orbax_io import RunDirError, check_step, read_config, restore_model
 from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
@@ -67,7 +68,7 @@ from jaxloop.rollout.producer import (
     derive_seed,
 )
 from jaxloop.rollout.types import SamplingConfig
-from jaxloop.summary import completed_update, finish_report
+from jaxloop.summary import checkpoint_steps, completed_update, finish_report
 
 
 class LogprobMismatchError(RuntimeError):
@@ -104,7 +105,8 @@ def check_engine_logprobs(
 
 
 class NonFiniteUpdateError(RuntimeError):
-    """optim.max_skipped_updates updates in a row had a non-finite loss or gradient norm."""
+    """optim.max_skipped_updates updates in a row had a non-finite loss or gradient norm, or
+    would have left non-finite parameters or optimizer state (the learner's guard)."""
 
 
 # ---- building blocks from the config ----
@@ -424,17 +426,19 @@ class Trainer:
         self.mesh = shd.make_mesh(**sizes)
         self.training = Training(cfg, model_cfg, self.mesh)
         check_resume(cfg, self.run_dir, self.training)  # before anything is written or restored
+        check_fresh_start(cfg, self.run_dir)  # no checkpoint: refuse to overwrite another run
         self.learner = self.training.learner
         settings = producer_settings(cfg, self.algo.requires_groups)
         if cfg.data.tokenizer == "char" and cfg.model.vocab_size != model_cfg.vocab_size:
             settings = dataclasses.replace(settings, vocab_size=model_cfg.vocab_size)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
-        step = self.checkpointer.latest_step()
+        # nothing is written before the state is built (a fresh one reads model.init_checkpoint or
+        # model.hf_dir and may fail): the run dir and its checkpoints/ come after it
+        step = (checkpoint_steps(self.run_dir) or [None])[-1]
         cursor, ahead = None, []
         # warm start: recorded in every checkpoint, so a resume never repeats it
         self.warm_start: dict = {}
         if step is not None:
+            self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             self.state, extra = self.checkpointer.restore(  # verified by check_resume
                 step, self.training.abstract_state(), self.training.shardings, verify=False
             )
@@ -443,6 +447,8 @@ class Trainer:
             self.warm_start = extra.get("warm_start", {})
         else:
             self.state = self.training.fresh_state()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             if self.is_main:
                 self.checkpointer.write_configs(
                     self.training.actor_abstract, self.training.critic_abstract
@@ -723,6 +729,13 @@ def preflight(cfg):
         raise UsageError(f"algo: {err}") from None
     if cfg.model.hf_dir:
         check_hf_dir(cfg.model.hf_dir)
+    if cfg.model.init_checkpoint and not checkpoint_steps(cfg.model.init_checkpoint):
+        raise UsageError(
+            f"model.init_checkpoint={cfg.model.init_checkpoint!r} holds no checkpoint "
+            "(checkpoints/<step>/): give a run dir written by jaxloop.train, jaxloop.sft or "
+            "conversion.from_hf"
+        )
+    actor_config(cfg)  # the model's own rules (heads divisible by kv heads, even head_dim, ...)
     vocab = _stored_vocab_size(cfg)
     settings = producer_settings(cfg, algo.requires_groups)
     if cfg.data.tokenizer == "char":
@@ -736,7 +749,7 @@ def preflight(cfg):
     return algo
 
 
-WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+WRITE_ERRNOS = errors.WRITE_ERRNOS  # a write the file system refuses: a user error (exit 2)
 
 
 def check_writable(run_dir) -> None:
@@ -858,27 +871,13 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
     shapes, or is incomplete. Reads only; without a checkpoint nothing is checked (the run starts
     afresh)."""
     from jaxloop.checkpoint import ARRAY_ITEMS, TRAIN_STATE
-    from jaxloop.config import flat_items
     from jaxloop.models.orbax_io import CHECKPOINT_DIR
-    from jaxloop.summary import checkpoint_steps
 
     steps = checkpoint_steps(run_dir)
     if not steps:
         return
     refuse = "(start a new run_dir to change it)"
-    stored_path = run_dir / "config.json"
-    if stored_path.is_file():
-        try:
-            stored = _flat_json(json.loads(stored_path.read_text()))
-        except (ValueError, AttributeError) as err:
-            raise RunDirError(f"{stored_path} is unreadable ({err})") from None
-        for key, value in flat_items(cfg):
-            value = json.loads(json.dumps(value))
-            if key in stored and stored[key] != value and resume_changes_math(cfg, key):
-                raise UsageError(
-                    f"run dir {run_dir} was started with {key}={stored[key]!r}; this run has "
-                    f"{key}={value!r} {refuse}"
-                )
+    check_resume_config(cfg, run_dir)
     actor_path = run_dir / "actor_config.json"
     if actor_path.is_file():
         before = read_config(run_dir, "actor")  # RunDirError when it is not a model config
@@ -923,6 +922,120 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
     check_step(run_dir, step, fallback=f"move {ckpt} out of checkpoints/ to resume from it")
     if (run_dir / METRICS_FILE).is_file():
         read_metrics(run_dir)  # MetricsFileError (one line) when it is damaged
+
+
+def _stored_config(run_dir: Path) -> dict | None:
+    """The run dir's config.json flattened (None without one; RunDirError when unreadable)."""
+    stored_path = run_dir / "config.json"
+    if not stored_path.is_file():
+        return None
+    try:
+        return _flat_json(json.loads(stored_path.read_text()))
+    except (ValueError, AttributeError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{stored_path} is unreadable ({type(err).__name__}: {err})") from None
+
+
+def config_conflict(cfg, stored: dict, changes_math=None) -> tuple[str, object, object] | None:
+    """The first key of the run's math (`changes_math(cfg, key)`, default resume_changes_math)
+    whose value in `stored` (a flattened config.json) differs from cfg's: (key, stored, new)."""
+    from jaxloop.config import flat_items
+
+    changes_math = changes_math or resume_changes_math
+    for key, value in flat_items(cfg):
+        value = json.loads(json.dumps(value))
+        if key in stored and stored[key] != value and changes_math(cfg, key):
+            return key, stored[key], value
+    return None
+
+
+def check_resume_config(cfg, run_dir: Path) -> None:
+    """A run dir with a checkpoint resumes only with the math it was started with (config.json);
+    reads only, needs no model (a dry run makes it too)."""
+    if not checkpoint_steps(run_dir):
+        return
+    stored = _stored_config(run_dir)
+    conflict = None if stored is None else config_conflict(cfg, stored)
+    if conflict:
+        key, old, new = conflict
+        raise UsageError(
+            f"run dir {run_dir} was started with {key}={old!r}; this run has {key}={new!r} "
+            "(start a new run_dir to change it)"
+        )
+
+
+# What a run writes at the top of its run dir besides checkpoints/: a fresh start (no checkpoint
+# to resume) over them would replace another run's files.
+RUN_FILES = (
+    "config.json",
+    "actor_config.json",
+    "critic_config.json",
+    "metrics.jsonl",
+    "curves.png",
+    "tb",
+    "draft_features",
+)
+
+
+def check_fresh_start(cfg, run_dir: Path, changes_math=None) -> None:
+    """A run dir without a checkpoint starts afresh, writing RUN_FILES. Refuse (naming the file)
+    when it already holds one of them and they are not this run's: its config.json is missing,
+    not a jaxloop config, or differs in a key of the run's math (the same run restarted before its
+    first checkpoint may start again). Reads only."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or checkpoint_steps(run_dir):
+        return
+    present = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not present:
+        return
+    why = "no config.json"
+    try:
+        stored = _stored_config(run_dir)
+    except RunDirError:
+        stored, why = None, "an unreadable config.json"
+    if stored is not None:
+        conflict = None
+        if not {"algorithm", "seed", "run_dir"} <= set(stored):
+            why = "a config.json that is not a jaxloop run's"
+        elif conflict := config_conflict(cfg, stored, changes_math):
+            key, old, new = conflict
+            why = f"config.json with {key}={old!r} (this run has {new!r})"
+        else:
+            return  # this run's own files: it was started before and stopped before a checkpoint
+    raise UsageError(
+        f"run dir {run_dir} holds {present[0]} of another run ({why}) and no checkpoint to "
+        "resume: starting here would overwrite it; move it away or choose another run_dir"
+    )
+
+
+class FreshStartCleanup:
+    """What a fresh start creates (the run dir and its parents, or new entries in an existing run
+    dir), removed again when the start fails with a user error before its first checkpoint: a
+    refused run leaves no skeleton behind (run dir, checkpoints/, config.json, metrics.jsonl)."""
+
+    def __init__(self, run_dir):
+        self.run_dir = Path(run_dir).resolve()
+        self.active = not checkpoint_steps(self.run_dir)
+        self.top, parent = None, self.run_dir
+        while not parent.exists():
+            self.top, parent = parent, parent.parent
+        self.parent, self.times = parent, parent.stat()
+        self.before = set(os.listdir(self.run_dir)) if self.top is None else set()
+
+    def undo(self, err=None) -> None:
+        if not self.active or checkpoint_steps(self.run_dir) or jax.process_index() != 0:
+            return
+        if self.top is not None:
+            if self.top.exists():
+                shutil.rmtree(self.top, ignore_errors=True)
+        elif self.run_dir.is_dir():
+            for name in sorted(set(os.listdir(self.run_dir)) - self.before):
+                path = self.run_dir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the directory's times as they were
+            os.utime(self.parent, ns=(self.times.st_atime_ns, self.times.st_mtime_ns))
 
 
 def _check_stored_shapes(item_dir: Path, abstract, run_dir, step, delete) -> None:
@@ -978,6 +1091,10 @@ def dry_run(cfg) -> str:
     """The checks a real run makes before it builds a model (config, loss hyper-parameters,
     data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
     algo = preflight(cfg)
+    done = completed_update(cfg.run_dir)
+    if done is None or done < cfg.total_updates:
+        check_resume_config(cfg, Path(cfg.run_dir).resolve())
+        check_fresh_start(cfg, Path(cfg.run_dir).resolve())
     steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
     bound = cfg.rollout.max_logprob_diff or default_logprob_diff(
         cfg.rollout.engine, cfg.model.compute_dtype
@@ -1010,46 +1127,46 @@ def _report(cfg, trainer, started: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxloop.train`. One exception boundary (jaxloop/errors.py): a user error is one
+    line on stderr and exit code 2, and what a fresh start had created is removed again; a run
+    stopped by a log-prob mismatch or non-finite updates exits with code 3; anything else is a
+    bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
+    cleanup: list[FreshStartCleanup] = []
+
+    def undo(err) -> None:
+        for fresh in cleanup:
+            fresh.undo(err)
+
+    return errors.run_entry_point(lambda: _main(argv, cleanup), on_user_error=undo)
+
+
+def _main(argv: list[str], cleanup: list) -> int:
     started = time.perf_counter()
-    cfg = trainer = None
+    command = parse_command(argv)
+    if command.help:
+        print(command.help)
+        return 0
+    cfg = command.cfg
+    if command.dry_run:
+        print(dry_run(cfg))
+        return 0
+    # before anything is built or written: a finished run dir is reported, not re-entered
+    done = completed_update(cfg.run_dir)
+    if done is not None and done >= cfg.total_updates:
+        print(
+            f"run already complete: update {done} of {cfg.total_updates} "
+            "(raise --config.total_updates to continue)",
+            file=sys.stderr,
+        )
+        return 0
+    preflight(cfg)
+    check_writable(cfg.run_dir)
+    cleanup.append(FreshStartCleanup(cfg.run_dir))
+    trainer = None
     try:
-        command = parse_command(argv)
-        if command.help:
-            print(command.help)
-            return 0
-        cfg = command.cfg
-        if command.dry_run:
-            print(dry_run(cfg))
-            return 0
-        # before anything is built or written: a finished run dir is reported, not re-entered
-        done = completed_update(cfg.run_dir)
-        if done is not None and done >= cfg.total_updates:
-            print(
-                f"run already complete: update {done} of {cfg.total_updates} "
-                "(raise --config.total_updates to continue)",
-                file=sys.stderr,
-            )
-            return 0
-        preflight(cfg)
-        check_writable(cfg.run_dir)
         trainer = Trainer(cfg)
         code = trainer.run()
-    except (
-        UsageError,
-        DataError,
-        ConfigError,
-        CheckpointError,
-        RunDirError,
-        TokenizerError,
-    ) as err:
-        print(f"error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
-    except OSError as err:  # a write refused mid-run (disk full, read-only): one line, exit 2
-        if err.errno not in WRITE_ERRNOS:
-            raise
-        print(f"error: cannot write: {err}".splitlines()[0], file=sys.stderr)
-        return 2
     except (LogprobMismatchError, NonFiniteUpdateError) as err:
         print(f"error: {err}", file=sys.stderr)
         _report(cfg, trainer, started)

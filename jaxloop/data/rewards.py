@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 from collections.abc import Callable
 
@@ -44,10 +45,21 @@ def get_reward(name: str) -> RewardFn:
         module, _, attr = name.partition(":")
         try:
             fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot import reward function {name!r}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - user code: a module may raise anything on import
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(
+                f"cannot import reward function {name!r}: {type(e).__name__}: {text}"
+            ) from e
         if not callable(fn):
             raise ValueError(f"reward {name!r} is not callable")
+        try:
+            inspect.signature(fn).bind("response", "label")
+        except TypeError as e:
+            raise ValueError(
+                f"reward function {name!r} cannot be called as fn(response, label): {e}"
+            ) from None
+        except ValueError:  # no signature (a builtin): the first call tells
+            pass
         return fn
     raise ValueError(
         f"unknown reward {name!r}; choose one of {sorted(REWARDS)} or give 'module:function'"

@@ -931,7 +931,7 @@ class Learner:
             grads, loss, sums = _accumulate(micro_loss, params, part)
             grad_norm = optax.tree.norm(grads)
             ok = ok & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            params, opt_state = _apply_if(ok, self.actor_tx, grads, params, opt_state)
+            params, opt_state, ok = _apply_if(ok, self.actor_tx, grads, params, opt_state)
             step_metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
             step_metrics["policy_loss"] = loss
             step_metrics["grad_norm"] = grad_norm
@@ -939,7 +939,8 @@ class Learner:
 
         # The step loop is unrolled (a handful of steps): a scan would double-buffer its carry,
         # i.e. hold a second copy of the parameters and optimizer state. From the first step
-        # with a non-finite loss or gradient norm on, no step is applied.
+        # with a non-finite loss or gradient norm on (or one whose step would leave non-finite
+        # parameters or optimizer state: _apply_if), no step is applied.
         carry, per_step = (actor_params, actor_opt, jnp.bool_(True)), []
         first_ok = None
         for i in range(plan.shape[0]):
@@ -968,7 +969,7 @@ class Learner:
             params, opt_state, ok = carry
             grads, loss, sums = _accumulate(micro_loss, params, cbatch)
             ok = ok & jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-            params, opt_state = _apply_if(ok, self.critic_tx, grads, params, opt_state)
+            params, opt_state, ok = _apply_if(ok, self.critic_tx, grads, params, opt_state)
             s, c = sums["vf_clip_frac"]
             step_metrics = {
                 "value_loss": loss,
@@ -1038,16 +1039,35 @@ def _counter_fields(state: TrainState) -> dict:
     return {name: getattr(state, name) for name in COUNTERS}
 
 
-def _apply_if(ok, tx, grads, params, opt_state):
-    """One optimizer step when `ok`, else params and state unchanged (a cond, not a select:
-    no second copy of either)."""
+def _all_finite(tree) -> jax.Array:
+    """One boolean: every floating-point leaf of `tree` is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
-    def apply(operands):
-        grads, params, opt_state = operands
+
+def _apply_if(ok, tx, grads, params, opt_state):
+    """One optimizer step when `ok` and the step leaves the parameters and the optimizer state
+    finite (a non-finite learning rate or hyper-parameter, or an overflow, would commit NaN / inf
+    with a finite loss and gradient norm); else params and state unchanged (a cond, not a select:
+    no second copy of either). The step is computed once into that check (elementwise work fused
+    into its reductions) and once more, identically, in the cond. Returns (params, opt_state,
+    applied)."""
+
+    def step(grads, params, opt_state):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.lax.cond(ok, apply, lambda ops: (ops[1], ops[2]), (grads, params, opt_state))
+    ok = ok & _all_finite(step(grads, params, opt_state))
+
+    def apply(operands):
+        return step(*operands)
+
+    params, opt_state = jax.lax.cond(
+        ok, apply, lambda ops: (ops[1], ops[2]), (grads, params, opt_state)
+    )
+    return params, opt_state, ok
 
 
 def _explained_variance(values, returns, mask):

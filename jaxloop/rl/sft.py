@@ -122,7 +122,7 @@ class SFTStepper:
         grads, loss, sums = _accumulate(micro_loss, params, micro)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = _apply_if(ok, self.tx, grads, params, opt_state)
+        params, opt_state, ok = _apply_if(ok, self.tx, grads, params, opt_state)
         metrics = {
             "sft_loss": loss,
             "sft_token_accuracy": sums["correct"] / jnp.maximum(num_tokens, 1.0),

@@ -85,8 +85,7 @@ class RolloutProducer:
         known = getattr(self.source, "examples", []) + self.eval_examples
         for example in known:
             self.encode(example.prompt)
-        for example in known[:1]:  # and the reward returns a number (its label as the response)
-            self.score(example.label, example.label)
+        self.check_reward(known)
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
         )
@@ -124,10 +123,32 @@ class RolloutProducer:
             )
         return tuple(ids)
 
+    def check_reward(self, examples, tries: int = 4) -> None:
+        """Before anything is written: the reward returns a number for the first examples' labels
+        and for an empty and a wrong response (RewardError otherwise), and not a non-finite one
+        for all of them (occasional NaN / inf rewards are dropped and counted; always NaN would
+        drop every sample)."""
+        responses = [(e.label, e.label) for e in examples[:tries]]
+        responses += [(wrong, e.label) for e in examples[:1] for wrong in ("", e.label + "?")]
+        values = [self.score(response, label) for response, label in responses]
+        if values and not any(math.isfinite(v) for v in values):
+            raise RewardError(
+                f"reward function {self.settings.reward!r} returned a non-finite value "
+                f"({values[0]}) for every one of {len(values)} test responses (labels, empty and "
+                "wrong answers): every sample would be dropped"
+            )
+
     def score(self, response: str, label: str) -> float:
-        """The reward as a float (NaN / inf pass: `produce` drops and counts them); anything
-        that is not a number raises RewardError naming the reward function."""
-        value = self.reward_fn(response, label)
+        """The reward as a float (NaN / inf pass: `produce` drops and counts them); a reward
+        function that raises, or returns something that is not a number, raises RewardError
+        naming the function and what it did (user code: one line, exit code 2)."""
+        try:
+            value = self.reward_fn(response, label)
+        except Exception as err:  # noqa: BLE001 - user code: any exception is reported
+            raise RewardError(
+                f"reward function {self.settings.reward!r} raised {type(err).__name__}: "
+                f"{str(err).strip()[:200]} (for response {response[:20]!r}, label {label[:20]!r})"
+            ) from err
         try:
             if isinstance(value, str | bytes) or value is None:
                 raise TypeError
