@@ -2,7 +2,9 @@
 one persistent XLA compilation cache for the whole session (every trainer subprocess of the same
 shapes reuses the programs an earlier one compiled; results are the same executables), and the
 xdist groups that `pytest -n` distributes: one group per test module, and every real-engine test
-(`slow`: vLLM, Ray) in one group, so two Ray clusters or vLLM engines never run at once."""
+(`slow`: vLLM, Ray) in one group, so two Ray clusters or vLLM engines never run at once. A slow
+module without engines (long trainer runs) says `USES_REAL_ENGINES = False` and keeps its own
+group, so it runs beside the engine tests instead of after them."""
 
 import atexit
 import os
@@ -32,5 +34,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = "real-engines" if item.get_closest_marker("slow") else item.module.__name__
+        engines = item.get_closest_marker("slow") and getattr(
+            item.module, "USES_REAL_ENGINES", True
+        )
+        group = "real-engines" if engines else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow  # four trainer processes
+USES_REAL_ENGINES = False  # trainer processes only: its own xdist group (conftest)
 
 
 def test_e2e_official_reduced(tmp_path):

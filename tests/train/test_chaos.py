@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow  # about a minute per algorithm (a dozen trainer processes)
+USES_REAL_ENGINES = False  # trainer processes only: its own xdist group (conftest)
 
 _PATH = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 _spec = importlib.util.spec_from_file_location("chaos", _PATH)
