@@ -502,7 +502,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.engine": one_of("jax", "vllm"),
     "rollout.temperature": positive(),
     "rollout.top_p": Domain(0, 1, open_lo=True),  # and 1 in training (validate)
-    "rollout.top_k": count(-1),  # -1: off (and off in training: validate)
+    "rollout.top_k": count(1, also=(-1,)),  # -1: off (and off in training: validate)
     "rollout.max_new_tokens": count(1),
     "rollout.early_exit": one_of("none", "threshold", "sample"),
     "rollout.exit_threshold": Domain(0, 1, open_lo=True),
@@ -732,6 +732,12 @@ def load_config_file(name: str) -> ml_collections.ConfigDict:
         raise UserCodeError(
             f"config file {path}: get_config() returned {type(cfg).__name__}, not a "
             "ml_collections.ConfigDict (start from jaxloop.config.base_config())"
+        )
+    missing = _missing_keys(cfg)
+    if missing:
+        raise UserCodeError(
+            f"config file {path}: get_config() lacks key(s) {', '.join(missing[:5])} (start "
+            "from jaxloop.config.base_config())"
         )
     cfg.lock()
     return cfg
@@ -982,6 +988,21 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"mesh {cfg.mesh.to_dict()}: at most one axis may be -1")
 
 
+def _missing_keys(cfg: ml_collections.ConfigDict) -> list[str]:
+    """base_config()'s keys (or sections) that `cfg` lacks, in definition order."""
+    have = set()
+    for key, _ in flat_items(cfg):
+        parts = key.split(".")
+        have.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    out = []
+    for key, _ in flat_items(base_config()):
+        section = key.split(".")[0]
+        name = section if section not in have else key
+        if name not in have and name not in out:
+            out.append(name)
+    return out
+
+
 def _type_ok(value, base) -> bool:
     if isinstance(base, bool):
         return isinstance(value, bool)
@@ -997,7 +1018,7 @@ def check_domains(cfg: ml_collections.ConfigDict) -> None:
     the first that is not)."""
     base = dict(flat_items(base_config()))
     items = flat_items(cfg)
-    missing = sorted(set(base) - {key for key, _ in items})
+    missing = _missing_keys(cfg)
     if missing:
         raise UsageError(
             f"the config lacks key(s) {', '.join(missing[:5])} (a config file starts from "

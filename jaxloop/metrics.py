@@ -202,7 +202,11 @@ class MetricsProgress(tqdm):
         parts.append(f"{time.perf_counter() - self._t0:.1f}s")
         return " ".join(parts)
 
-    def close(self):
+    def close(self, summary: bool = True):
+        """Closes the bar; `summary=False` (a run that failed: its error is the one line on
+        stderr) prints no summary line, now or later."""
+        if not summary:
+            self._summary_done = True
         if self.disable and not self._summary_done and hasattr(self, "_count"):
             self._summary_done = True
             try:

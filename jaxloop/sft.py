@@ -323,6 +323,7 @@ class SFTRun:
         )
         skips = 0
         stop_at = total if cfg.stop_after <= 0 else min(total, self.start + cfg.stop_after)
+        finished = False
         try:
             for step in range(self.start, stop_at):
                 t0 = time.perf_counter()
@@ -359,8 +360,9 @@ class SFTRun:
                 bar.step(row)
                 if done == stop_at or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     self.checkpointer.save(self.state, {"data_cursor": self.data.state()})
+            finished = True
         finally:
-            bar.close()
+            bar.close(summary=finished)  # a failed run: its error is the one line
             if self.metrics is not None:
                 self.metrics.close()
             self.checkpointer.close()

@@ -558,6 +558,7 @@ class Trainer:
             desc=cfg.algorithm,
             disable=None if cfg.progress and self.is_main else True,
         )
+        finished = False
         try:
             for update in range(self.start_update, stop_at):
                 self.one_update(update, last, bar)
@@ -577,9 +578,10 @@ class Trainer:
                             },
                         },
                     )
+            finished = True
         finally:
             self.pipeline.close()
-            bar.close()
+            bar.close(summary=finished)  # a failed run: its error is the one line
             self.metrics.close()
             self.checkpointer.close()
             self.producer.close()

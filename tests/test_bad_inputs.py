@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxloop.config import DOMAINS, base_config, flat_items, validate
 from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
 from jaxloop.models.hf_io import read_safetensors, write_safetensors
 from jaxloop.train import main, resume_changes_math
@@ -713,3 +714,455 @@ def test_non_finite_rewards_are_dropped_and_counted(tmp_path, capsys):
         assert row["dropped_samples"] + row["num_samples"] == 8
         assert math.isfinite(row["reward_mean"]) and math.isfinite(row["policy_loss"])
     assert sum(r["dropped_samples"] for r in rows) > 0
+
+
+# ==== issue 22, part A: data loss, value domains, user code, skeleton run dirs, the boundary ====
+def _contents(root: Path) -> dict[str, bytes | None]:
+    """Every file's bytes (None for a directory) under root: compared byte for byte."""
+    return {
+        str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _refused(argv: list[str], capsys, message: str) -> str:
+    """main(argv) prints one line `error: ...` containing `message` and returns 2."""
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == "", (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+def _argv(run_dir, *extra: str, algorithm: str = ALGO) -> list[str]:
+    return ["--config", f"{algorithm}.py", *BASE, f"--config.run_dir={run_dir}", *extra]
+
+
+# ---- the three data-loss cases: refused, every old file byte for byte unchanged ----
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_empty_run_dir_is_refused(dry, tmp_path, capsys, monkeypatch):
+    """`--config.run_dir=` would train in the current directory over its config.json."""
+    (tmp_path / "config.json").write_text('{"mine": "precious"}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"update": 0}\n')
+    monkeypatch.chdir(tmp_path)
+    before = _contents(tmp_path)
+    argv = [*_argv("x"), "--config.run_dir="] + (["--dry-run"] if dry else [])
+    _refused(argv, capsys, "run_dir must be a non-empty string")
+    assert _contents(tmp_path) == before
+
+
+def test_resume_with_keep_checkpoints_0_is_refused(tmp_path, capsys, base_run):
+    """keep_checkpoints=0 would keep none: the resume deleted every checkpoint of the run."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    before = _contents(tmp_path)
+    for value in ("0", "-1"):
+        for dry in ([], ["--dry-run"]):
+            argv = _argv(run_dir, f"--config.keep_checkpoints={value}", *dry)
+            _refused(argv, capsys, f"keep_checkpoints must be in [1, 2147483647] (got {value})")
+            assert _contents(tmp_path) == before
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_rerun_over_another_runs_files_is_refused(dry, tmp_path, capsys, base_run):
+    """A run dir whose checkpoints/ was moved away still holds the old run's config.json,
+    metrics.jsonl and curves.png: a run of another algorithm there would start afresh over them."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    shutil.move(run_dir / "checkpoints", tmp_path / "moved_checkpoints")
+    assert {"config.json", "metrics.jsonl", "curves.png"} <= set(os.listdir(run_dir))
+    before = _contents(tmp_path)
+    argv = _argv(run_dir, algorithm="grpo") + (["--dry-run"] if dry else [])
+    line = _refused(argv, capsys, f"run dir {run_dir} holds config.json of another run")
+    assert "algorithm='ppo' (this run has 'grpo')" in line and "no checkpoint" in line
+    assert _contents(tmp_path) == before
+
+
+def test_rerun_over_files_without_config_is_refused(tmp_path, capsys):
+    """Run files without the config.json that would tell whose they are: refused, naming one."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"update": 0, "reward_mean": 1.0}\n')
+    before = _contents(tmp_path)
+    _refused(_argv(run_dir), capsys, "holds metrics.jsonl of another run (no config.json)")
+    assert _contents(tmp_path) == before
+
+
+def test_restart_of_the_same_run_before_its_first_checkpoint(tmp_path, capsys):
+    """Its own files (the same config.json, no checkpoint yet): the run starts again."""
+    run_dir = tmp_path / "run"
+    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=0")) == 0
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=0")) == 0
+    assert [r["update"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))] == [0]
+
+
+# ---- value domains: every key's, declared once (jaxloop.config.DOMAINS) ----
+BASE_VALUES = dict(flat_items(base_config()))
+NUMERIC_KEYS = [
+    k for k, v in BASE_VALUES.items() if isinstance(v, int | float) and not isinstance(v, bool)
+]
+# keys whose 0 means something (README "Bad input"; --help says what); all others refuse it
+ACCEPTS_ZERO = {
+    "seed",
+    "stop_after",  # off
+    "updates_per_rollout",  # the algorithm's default
+    "checkpoint_every",  # only after the last update
+    "eval_every",  # only after the last update
+    "model.logits_chunk",  # the whole sequence
+    "rollout.max_logprob_diff",  # the default bound
+    "rollout.max_staleness",  # synchronous
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.b1",
+    "optim.b2",
+    "optim.grad_clip",  # off
+    "learner.pack_tokens",  # off
+    "critic.warmup_updates",
+    "algo.kl_coef",  # no reference model
+    "algo.behav_weight_min",
+    "algo.flow_delta",
+    "algo.gamma",
+    "algo.lam",
+    "algo.entropy_coef",  # off
+    "dist.num_processes",  # one, or detected
+    "dist.process_id",
+    "warm_start.sft_steps",  # no warm start
+}
+# keys whose -1 means something: off, or (mesh) the remaining devices, (dist) detected
+ACCEPTS_MINUS_ONE = {
+    "rollout.top_k",
+    "algo.clip_eps_high",
+    "algo.dual_clip",
+    "algo.behav_drop_cap",
+    "algo.value_clip",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "dist.process_id",
+}
+# in-domain values another rule refuses in this setting (the default mesh already has fsdp=-1)
+CROSS_KEY_REFUSALS = {("mesh.data", "-1"), ("mesh.tensor", "-1")}
+ALWAYS_BAD = {  # refused for every numeric key (and one past the key's upper bound: below)
+    int: ["nan", "inf", "1.5", "abc", "", "-2147483649"],
+    float: ["nan", "inf", "-inf", "1e39", "1e300", "-1e300", "abc", ""],
+}
+
+
+def test_every_key_has_a_domain():
+    assert set(DOMAINS) == set(BASE_VALUES)
+    base = base_config()
+    validate(base)  # the defaults are in their domains
+    assert {k for k in NUMERIC_KEYS if DOMAINS[k].contains(0)} == ACCEPTS_ZERO
+    assert {k for k in NUMERIC_KEYS if DOMAINS[k].contains(-1)} == ACCEPTS_MINUS_ONE
+    # the choices agree with the modules that implement them
+    from jaxloop.data.tasks import TASKS
+    from jaxloop.models.presets import FULL_SIZE
+    from jaxloop.rl.algorithms import ALGORITHMS
+    from jaxloop.rl.losses import KL_ESTIMATORS, REDUCTIONS
+
+    assert sorted(DOMAINS["algorithm"].choices) == sorted(ALGORITHMS)
+    assert sorted(DOMAINS["data.task"].choices) == sorted(TASKS)
+    assert sorted(DOMAINS["model.preset"].choices) == sorted(["", *FULL_SIZE])
+    assert DOMAINS["algo.kl_estimator"].choices == KL_ESTIMATORS
+    assert DOMAINS["algo.reduction"].choices == REDUCTIONS
+
+
+def _dry(key: str, value: str, tmp_path, capsys) -> tuple[int, str]:
+    """A dry run with --config.key=value: (exit code, the error line or '')."""
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    code = main(_argv(tmp_path / "run", f"--config.{key}={value}", "--dry-run"))
+    out, err = capsys.readouterr()
+    assert _snapshot(tmp_path) == before  # a dry run writes nothing
+    if code == 0:
+        return 0, ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == "", (key, value, code, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (key, value, err)
+    return code, lines[0]
+
+
+@pytest.mark.parametrize("key", NUMERIC_KEYS)
+def test_value_domain(key, tmp_path, capsys):
+    """For every numeric key: NaN, inf, huge, wrong type are refused (one line naming the key,
+    exit 2, nothing written); 0 and -1 are refused unless the key gives them a meaning."""
+    kind = type(BASE_VALUES[key])
+    huge = [str(int(DOMAINS[key].hi) + 1)] if kind is int else []
+    for value in ALWAYS_BAD[kind] + huge:
+        code, line = _dry(key, value, tmp_path, capsys)
+        assert code == 2 and key in line, (key, value, line)
+    for value, accepted in (("0", key in ACCEPTS_ZERO), ("-1", key in ACCEPTS_MINUS_ONE)):
+        code, line = _dry(key, value, tmp_path, capsys)
+        if not accepted:
+            assert code == 2 and key in line, (key, value, line)
+        elif (key, value) in CROSS_KEY_REFUSALS:
+            assert code == 2, (key, value)
+        else:
+            assert code == 0, (key, value, line)
+
+
+CHOICE_KEYS = [k for k, d in DOMAINS.items() if d.choices]
+NON_EMPTY_KEYS = [k for k, d in DOMAINS.items() if d.nonempty]
+
+
+@pytest.mark.parametrize("key", CHOICE_KEYS + NON_EMPTY_KEYS)
+def test_string_domain(key, tmp_path, capsys):
+    """A value outside a key's choices (model.family=llama, model.param_dtype=int8, ...) or an
+    empty one where a value is needed: refused in a dry run."""
+    values = ["llama"] if key in CHOICE_KEYS else []
+    values += [""] if "" not in DOMAINS[key].choices else []
+    for value in values:
+        code, line = _dry(key, value, tmp_path, capsys)
+        assert code == 2 and key in line, (key, value, line)
+
+
+# the issue's list, through a real run too: refused before anything is written
+REAL_RUN_VALUES = [
+    ("optim.lr", "nan"),
+    ("optim.lr", "-1"),
+    ("rollout.temperature", "nan"),
+    ("model.head_dim", "0"),
+    ("model.num_kv_heads", "0"),
+    ("model.num_heads", "0"),
+    ("model.num_layers", "0"),
+    ("model.num_loops", "0"),
+    ("rollout.max_new_tokens", "0"),
+    ("keep_checkpoints", "0"),
+    ("seed", "-1"),
+    ("seed", "99999999999"),
+    ("mesh.data", "0"),
+    ("model.param_dtype", "int8"),
+    ("model.family", "llama"),
+]
+
+
+@pytest.mark.parametrize("key,value", REAL_RUN_VALUES, ids=[f"{k}={v}" for k, v in REAL_RUN_VALUES])
+def test_value_domain_real_run(key, value, tmp_path, capsys):
+    before = _snapshot(tmp_path)
+    _refused(_argv(tmp_path / "run", f"--config.{key}={value}"), capsys, key)
+    assert not (tmp_path / "run").exists() and _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--config.model.num_heads=4", "--config.model.num_kv_heads=3"], "num_key_value_heads"),
+        (["--config.model.head_dim=15"], "head_dim=15 must be even"),
+        (["--config.mesh.data=-1"], "at most one axis may be -1"),
+    ],
+)
+def test_model_rules_in_a_dry_run(overrides, message, tmp_path, capsys):
+    """The model's own rules, which need no device: a dry run refuses them as the run does."""
+    before = _snapshot(tmp_path)
+    _refused(_argv(tmp_path / "run", *overrides, "--dry-run"), capsys, message)
+    _refused(_argv(tmp_path / "run", *overrides), capsys, message)
+    assert _snapshot(tmp_path) == before
+
+
+# ---- user code: config files and reward functions ----
+def one_arg_reward(response: str) -> float:
+    return 1.0
+
+
+def raising_reward(response: str, label: str) -> float:
+    raise KeyError("no score for this")
+
+
+def always_nan_reward(response: str, label: str) -> float:
+    return float("nan")
+
+
+def raises_on_samples_reward(response: str, label: str) -> float:
+    """Fine on the checks' responses (the label, empty, the label and '?'), raises on a sampled
+    response with any other character (a random policy writes them)."""
+    if set(response) - set("0123456789?"):
+        raise ValueError(f"cannot parse {response!r}")
+    return 1.0 if response == label else 0.0
+
+
+CONFIG_FILES = {
+    "raises": ("def get_config():\n    raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    "not Python": ("config = {\ndef get_config(:\n", "SyntaxError: "),
+    "raises on import": ("import no_such_module_xyz\n", "ModuleNotFoundError"),
+    "no get_config": ("x = 1\n", "has no get_config()"),
+    "wrong type": ("def get_config():\n    return {'seed': 0}\n", "returned dict, not a"),
+    "keys missing": (
+        "import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict("
+        "{'seed': 0})\n",
+        "get_config() lacks key(s) run_dir, algorithm, total_updates",
+    ),
+    "wrong value type": (
+        "from jaxloop.config import base_config\ndef get_config():\n    c = base_config()\n"
+        "    c.total_updates = 'many'\n    return c\n",
+        "TypeError",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_FILES))
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_config_file_user_code(case, dry, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    text, message = CONFIG_FILES[case]
+    path = tmp_path / "my_config.py"
+    path.write_text(text)
+    before = _snapshot(tmp_path)
+    argv = ["--config", str(path), f"--config.run_dir={tmp_path / 'run'}"]
+    line = _refused(argv + (["--dry-run"] if dry else []), capsys, message)
+    assert str(path) in line  # the file is named
+    assert _snapshot(tmp_path) == before
+
+
+REWARD_CODE = [
+    ("tests.test_bad_inputs:one_arg_reward", "cannot be called as fn(response, label)"),
+    ("tests.test_bad_inputs:raising_reward", "raised KeyError: 'no score for this'"),
+    ("tests.test_bad_inputs:always_nan_reward", "returned a non-finite value (nan) for every"),
+    ("broken_reward_module:fn", "cannot import reward function 'broken_reward_module:fn': "),
+    ("syntax_reward_module:fn", "SyntaxError"),
+    ("no_such_module_xyz:fn", "ModuleNotFoundError"),
+]
+
+
+@pytest.mark.parametrize("reward,message", REWARD_CODE, ids=[r for r, _ in REWARD_CODE])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_reward_user_code(reward, message, dry, tmp_path, capsys, monkeypatch):
+    """One line naming the function and the exception, exit 2, nothing written."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "broken_reward_module.py").write_text("raise RuntimeError('broken module')\n")
+    (mods / "syntax_reward_module.py").write_text("def fn(response, label) return 1\n")
+    monkeypatch.syspath_prepend(str(mods))
+    before = _snapshot(tmp_path)
+    argv = _argv(tmp_path / "run", f"--config.data.reward={reward}")
+    line = _refused(argv + (["--dry-run"] if dry else []), capsys, message)
+    assert reward in line
+    assert _snapshot(tmp_path) == before
+
+
+# ---- no skeleton run dir: a refused start leaves nothing behind ----
+def test_reward_raising_on_sampled_responses(tmp_path, capsys):
+    """It passes the checks before the run and raises on update 0's samples: the fresh run dir
+    (run/, checkpoints/, config.json, metrics.jsonl) is removed again."""
+    before = _snapshot(tmp_path)
+    reward = "tests.test_bad_inputs:raises_on_samples_reward"
+    argv = _argv(tmp_path / "a" / "run", f"--config.data.reward={reward}")
+    _refused(argv, capsys, f"reward function '{reward}' raised ValueError: cannot parse")
+    assert _snapshot(tmp_path) == before and not (tmp_path / "a").exists()
+
+
+def test_reward_raising_on_resume_keeps_the_checkpoints(tmp_path, capsys, base_run, monkeypatch):
+    """The same reward (a resume may not change it) starts raising: exit 2, checkpoints intact."""
+    import tests.train.rewards as rewards
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    before = _contents(run_dir / "checkpoints")
+    configs = {n: (run_dir / n).read_bytes() for n in ("config.json", "actor_config.json")}
+    monkeypatch.setattr(rewards, "char_code_reward", raises_on_samples_reward)
+    _refused(_argv(run_dir), capsys, "raised ValueError: cannot parse")
+    assert _contents(run_dir / "checkpoints") == before
+    assert {n: (run_dir / n).read_bytes() for n in configs} == configs
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new dir", "empty existing dir"])
+def test_init_checkpoint_without_checkpoints(existing, tmp_path, capsys):
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "actor_config.json").write_text(json.dumps(tiny_hf_config("nanbeige")))
+    if existing:
+        (tmp_path / "run").mkdir()
+    before = _snapshot(tmp_path)
+    argv = _argv(tmp_path / "run", f"--config.model.init_checkpoint={init}")
+    _refused(argv + ["--dry-run"], capsys, "holds no checkpoint")
+    _refused(argv, capsys, "holds no checkpoint")
+    assert _snapshot(tmp_path) == before
+
+
+def test_failure_after_the_run_dir_was_created_removes_it(tmp_path, capsys, monkeypatch):
+    """The net under every check: a user error raised after the fresh run dir was written (here
+    by the first update) removes what this start created, and only that."""
+    import jaxloop.train as train
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+
+    def fail(self, update, last, bar):
+        assert (self.run_dir / "config.json").is_file()  # written by now
+        raise train.DataError("simulated bad data at update 0")
+
+    monkeypatch.setattr(train.Trainer, "one_update", fail)
+    before = _contents(tmp_path)
+    _refused(_argv(run_dir), capsys, "simulated bad data at update 0")
+    assert _contents(tmp_path) == before
+
+
+# ---- the boundary: user errors are one line, anything else is a bug with its traceback ----
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    import jaxloop.train as train
+
+    def broken(cfg):
+        raise RuntimeError("a bug, not a bad input")
+
+    monkeypatch.setattr(train, "preflight", broken)
+    with pytest.raises(RuntimeError, match="a bug, not a bad input"):
+        main(_argv(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bug_exits_1_with_a_traceback_in_a_fresh_process(tmp_path):
+    code = (
+        "import sys, jaxloop.train as t\n"
+        "def bug(cfg):\n    raise ZeroDivisionError('bug')\n"
+        "t.preflight = bug\n"
+        f"sys.exit(t.main(['--config', 'ppo.py', '--config.run_dir={tmp_path / 'run'}']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-2000:]
+    assert "ZeroDivisionError: bug" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_sft_boundary(tmp_path, capsys):
+    """jaxloop.sft: the same domains and the same boundary."""
+    from jaxloop.sft import main as sft_main
+
+    before = _snapshot(tmp_path)
+    for value, message in (("nan", "sft.lr must be"), ("0", "sft.lr must be")):
+        capsys.readouterr()
+        code = sft_main(
+            ["--config", "sft.py", f"--config.run_dir={tmp_path / 'r'}", f"--config.sft.lr={value}"]
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+    assert _snapshot(tmp_path) == before
+
+
+# ---- the non-finite guard checks what it commits ----
+@pytest.mark.parametrize("tx_name", ["sgd lr=nan", "adam b1=nan", "adamw weight_decay=inf"])
+def test_guard_never_commits_non_finite_parameters(tx_name):
+    """A finite loss and gradient norm with a step that would write NaN / inf (a NaN learning
+    rate or hyper-parameter): the update is skipped and counted, the parameters stay."""
+    import jax
+    import optax
+
+    from tests.rl.test_learner import _arrays, _Run
+
+    tx = {
+        "sgd lr=nan": optax.sgd(float("nan")),
+        "adam b1=nan": optax.adam(1e-3, b1=float("nan")),
+        "adamw weight_decay=inf": optax.adamw(1e-3, weight_decay=float("inf")),
+    }[tx_name]
+    run = _Run("grpo", 8, tx=tx)
+    before = jax.tree.map(np.array, run.state.actor_params)
+    metrics = run.update(_arrays())
+    assert np.isfinite(metrics["policy_loss"]) and np.isfinite(metrics["grad_norm"])
+    assert metrics["skipped"] == 1.0 and int(run.state.skipped_updates) == 1
+    assert run.state.version == 0
+    after = jax.tree.map(np.asarray, run.state.actor_params)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
