@@ -7,7 +7,8 @@ from the working directory. The source tensors are read in slices (no memory map
 per parameter: peak RSS is about the model plus a parameter (measured on Nanbeige4.2-3B's shapes,
 8.34 GB of bf16: 8.70 GB; scripts/check_full_size.py). Writes into a temporary directory beside
 CKPT and renames it at the end: an error leaves nothing behind (one "error: ..." line on stderr,
-exit code 2). A progress bar is shown while reading when stderr is a terminal.
+exit code 2). The step's digests (jaxloop/models/digests.py) are written with it; weights holding
+NaN or inf are refused. A progress bar is shown while reading when stderr is a terminal.
 """
 
 from __future__ import annotations

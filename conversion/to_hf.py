@@ -8,8 +8,10 @@ Tokenizer files in CKPT/tokenizer/ are copied. Parameters are restored to host m
 time and each one's tensors are streamed to their shard file before the next is read: peak RAM is
 about twice the largest parameter plus the interpreter, whatever the model's size (no model is
 built: jaxloop.models.orbax_io.export_hf).
-Progress bars when stderr is a terminal. Errors: one "error: ..." line on stderr, exit code 2,
-and no output directory.
+The step's actor_params (or critic_params) are verified against its digests first: a damaged
+step is refused naming the file and the newest older step that verifies (`--step`); a step
+without digests is read unverified, with a warning. Progress bars when stderr is a terminal.
+Errors: one "error: ..." line on stderr, exit code 2, and no output directory.
 """
 
 from __future__ import annotations

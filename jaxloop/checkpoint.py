@@ -96,8 +96,7 @@ class TrainCheckpointer:
         `abstract` gives shapes and dtypes (e.g. `jax.eval_shape` of the state builder).
         verify: check the step's digests first (RunDirError when they differ; a warning when the
         step has none); False when the caller has just done so."""
-        if verify:
-            check_step(self.run_dir, step)
+        verified = check_step(self.run_dir, step, warn=False) if verify else True
         targets = {
             item: _abstract(tree, self._arrays(shardings)[item])
             for item, tree in self._arrays(abstract).items()
@@ -115,6 +114,8 @@ class TrainCheckpointer:
             "skipped_updates": np.int32(extra.pop("skipped_updates", 0)),
         }
         counters = {k: shd.put_global(v, getattr(shardings, k)) for k, v in stored.items()}
+        if not verified and jax.process_index() == 0:
+            digests.warn_unverified(step, self.run_dir)
         return abstract.replace(**fields, **counters), extra
 
     def close(self) -> None:

@@ -36,8 +36,15 @@ from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
 from jaxloop.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
+from jaxloop.models.digests import warn_unverified
 from jaxloop.models.hf_io import abstract_model, read_hf_config
-from jaxloop.models.orbax_io import RunDirError, check_step, read_config, restore_model
+from jaxloop.models.orbax_io import (
+    RunDirError,
+    check_step,
+    older_step_offer,
+    read_config,
+    restore_model,
+)
 from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
@@ -903,7 +910,9 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
             f"{cfg.algorithm} run does not have (written by another algorithm or config) {refuse}"
         )
     lacking = sorted((want | {TRAIN_STATE}) - have)
-    delete = f"delete {ckpt} to resume from the one before, or start a new run_dir"
+    delete = older_step_offer(  # names the newest older step that verifies
+        run_dir, step, fallback=f"move {ckpt} out of checkpoints/ to resume from it"
+    )
     if lacking:
         raise RunDirError(
             f"run dir {run_dir}: checkpoint {step} is incomplete: it lacks "
@@ -921,9 +930,12 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
         if item in want and field.endswith("_params"):
             _check_stored_shapes(ckpt / item, getattr(abstract, field), run_dir, step, delete)
     # the bytes: every item against the digests written at save (a same-size corruption too)
-    check_step(run_dir, step, fallback=f"move {ckpt} out of checkpoints/ to resume from it")
+    fallback = f"move {ckpt} out of checkpoints/ to resume from it"
+    verified = check_step(run_dir, step, fallback=fallback, warn=False)
     if (run_dir / METRICS_FILE).is_file():
         read_metrics(run_dir)  # MetricsFileError (one line) when it is damaged
+    if not verified and jax.process_index() == 0:  # restored as before, with one warning
+        warn_unverified(step, run_dir)
 
 
 def _stored_config(run_dir: Path) -> dict | None:

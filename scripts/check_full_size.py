@@ -16,7 +16,9 @@ process so that its peak RSS is its own:
                loop-invariant code motion off (NO_LICM below; --hoist-converts keeps it)
 
 and prints seconds and peak RSS (/usr/bin/time -v when present, else the kernel's per-child
-ru_maxrss: the same counter) of each step, as a table and one JSON line. Exit code 0 when every
+ru_maxrss: the same counter) of each step, and the seconds of those spent on checkpoint digests
+(from_hf hashing its step, to_hf verifying it: JAXLOOP_DIGEST_TIMING lines), as a table and one
+JSON line. Exit code 0 when every
 step works within --max-ratio (1.5) times the checkpoint's bytes of peak RSS. Needs about 3x the
 checkpoint of disk (Nanbeige4.2-3B: 8.3 GB each for hf/, ck/ and out/) and 1.5x of RAM; the
 three directories are deleted at the end unless --keep. A script, not a CI test.
@@ -206,6 +208,7 @@ def _run(name: str, argv: list[str], cwd: Path, log: Path, xla_flags: str = "") 
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "JAXLOOP_DIGEST_TIMING": "1",  # the checkpoint digests' passes, one line each
     }
     if xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
@@ -222,8 +225,12 @@ def _run(name: str, argv: list[str], cwd: Path, log: Path, xla_flags: str = "") 
                 rss = int(line.split(":")[1]) * 1024
     text = log.read_text().strip()
     last = text.splitlines()[-1] if text else ""
+    # seconds spent hashing checkpoint files (from_hf: writing the digests; to_hf: verifying)
+    digest = sum(float(line.split()[-2]) for line in text.splitlines()
+                 if line.startswith("digests: "))  # fmt: skip
     return {"step": name, "ok": proc.returncode == 0, "seconds": round(seconds, 1),
-            "peak_rss_bytes": rss, "last_line": last[-160:]}  # fmt: skip
+            "peak_rss_bytes": rss, "last_line": last[-160:],
+            "digest_seconds": round(digest, 1)}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -288,12 +295,18 @@ def main(argv=None) -> int:
     print(
         f"\n{FAMILIES[args.family]}: {table['num_tensors']} tensors, {ckpt_bytes:,} bytes of bf16"
     )
-    print("| step | result | seconds | peak RSS (GB) | x checkpoint |")
-    print("|---|---|---|---|---|")
+    print("| step | result | seconds | of which digests (s) | peak RSS (GB) | x checkpoint |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         result = "works" if r["ok"] else f"fails: {r['last_line']}"
-        print(f"| {r['step']} | {result} | {r['seconds']} | {r['peak_rss_bytes'] / 1e9:.2f} "
-              f"| {r['rss_ratio']:.2f} |")  # fmt: skip
+        print(f"| {r['step']} | {result} | {r['seconds']} | {r['digest_seconds']} "
+              f"| {r['peak_rss_bytes'] / 1e9:.2f} | {r['rss_ratio']:.2f} |")  # fmt: skip
+    conversion = [r for r in results if r["step"] in ("from_hf", "to_hf")]
+    total = sum(r["seconds"] for r in conversion)
+    digest = sum(r["digest_seconds"] for r in conversion)
+    if total:
+        print(f"checkpoint digests: {digest:.1f} s of the conversion's {total:.1f} s "
+              f"(from_hf + to_hf): {digest / total:.1%}")  # fmt: skip
     ok = len(results) == len(steps) and all(
         r["ok"] and r["rss_ratio"] <= args.max_ratio for r in results
     )
@@ -304,7 +317,8 @@ def main(argv=None) -> int:
         "max_ratio": args.max_ratio,
         "ok": ok,
         "workdir": str(workdir),
-        "steps": {r["step"]: {k: r[k] for k in ("ok", "seconds", "peak_rss_bytes", "rss_ratio")}
+        "steps": {r["step"]: {k: r[k] for k in ("ok", "seconds", "digest_seconds",
+                                                "peak_rss_bytes", "rss_ratio")}
                   for r in results},
     }  # fmt: skip
     print(json.dumps(summary))

@@ -79,12 +79,21 @@ def compute_digests(step_dir: str | Path) -> dict:
     return out
 
 
+def _report_timing(what: str, items: dict, seconds: float) -> None:
+    """With JAXLOOP_DIGEST_TIMING set, one stderr line per digest pass (scripts/check_full_size.py
+    reads them to put the digests' cost beside the conversion's)."""
+    if os.environ.get("JAXLOOP_DIGEST_TIMING"):
+        nbytes = sum(int(size) for files in items.values() for size, _ in files.values())
+        print(f"digests: {what} {nbytes} bytes in {seconds:.2f} s", file=sys.stderr, flush=True)
+
+
 def write_digests(step_dir: str | Path) -> float:
     """Hash a committed step's items and write its digest file atomically, last. Returns the
     seconds spent."""
     t0 = time.perf_counter()
     step_dir = Path(step_dir)
     doc = {"format": FORMAT, "algorithm": "sha256", "items": compute_digests(step_dir)}
+    _report_timing("hashed", doc["items"], time.perf_counter() - t0)
     tmp = step_dir / f".{DIGEST_FILE}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -131,6 +140,7 @@ def verify_step(step_dir: str | Path, items: Iterable[str] | None = None) -> boo
     """Check the files of `items` (default: every item the digest file lists) against the
     digests written at save: True when verified, False when the step has no digest file
     (unverified). Raises DigestError naming the first file that differs or is missing."""
+    t0 = time.perf_counter()
     step_dir = Path(step_dir)
     stored = read_digests(step_dir)
     if stored is None:
@@ -152,6 +162,7 @@ def verify_step(step_dir: str | Path, items: Iterable[str] | None = None) -> boo
     for (item, rel, _, digest), (_, got) in zip(checks, _hash_all(paths), strict=True):
         if got != digest:
             raise DigestError(f"{item}/{rel} does not match its checksum (changed since saved)")
+    _report_timing("verified", {i: stored[i] for i in names}, time.perf_counter() - t0)
     return True
 
 

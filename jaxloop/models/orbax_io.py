@@ -185,27 +185,54 @@ def check_step(
     step: int,
     items: list[str] | None = None,
     fallback: str = "pass --step {step} to use it",
+    warn: bool = True,
 ) -> bool:
     """Verify the digests of `items` (default: all) of `step` (models/digests.py): True when
-    verified; False, with a warning line, when the step has no digest file (unverified). A
+    verified; False when the step has no digest file (unverified; with `warn`, a warning line:
+    callers that may still fail pass warn=False and warn once they succeed). A
     mismatch or a missing file is a one-line RunDirError naming the step and the newest older
     step that verifies (`fallback`, formatted with its step, says how to use it)."""
     ckpt = Path(run_dir).resolve() / CHECKPOINT_DIR
     try:
         verified = digests.verify_step(ckpt / str(step), items)
     except digests.DigestError as err:
-        older = _intact_before(ckpt, step, items)
-        offer = (
-            f"checkpoint {older} verifies: {fallback.format(step=older)}"
-            if older is not None
-            else "no older checkpoint verifies"
-        )
+        offer = older_step_offer(run_dir, step, items, fallback)
         raise RunDirError(
             f"run dir {Path(run_dir)}: checkpoint {step} is corrupt: {err} ({offer})"
         ) from None
-    if not verified:
+    if not verified and warn:
         digests.warn_unverified(step, run_dir)
     return verified
+
+
+def older_step_offer(
+    run_dir: str | Path,
+    step: int,
+    items: list[str] | None = None,
+    fallback: str = "pass --step {step} to use it",
+) -> _LazyText:
+    """What to tell the user of a damaged `step`: the newest older step whose digests verify and
+    how to use it (`fallback`, formatted with that step), or that none does. Lazy: the older
+    steps are hashed only when the text is formatted (in an error message)."""
+
+    def text() -> str:
+        older = _intact_before(Path(run_dir).resolve() / CHECKPOINT_DIR, step, items)
+        if older is None:
+            return "no older checkpoint verifies; start a new run_dir"
+        return f"checkpoint {older} verifies: {fallback.format(step=older)}"
+
+    return _LazyText(text)
+
+
+class _LazyText:
+    def __init__(self, make):
+        self._make = make
+
+    def __str__(self) -> str:
+        return self._make()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def _intact_before(ckpt: Path, step: int, items: list[str] | None) -> int | None:
@@ -329,6 +356,8 @@ def restore_model(
                 arrays.append(_restore_one(mngr, step, item, path, x))
             bar.update(x.size * x.dtype.itemsize)
     nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
+    if not verified:
+        digests.warn_unverified(step, run_dir)
     return nnx.merge(graphdef, params, rest)
 
 
@@ -345,7 +374,7 @@ def _stored_params(ckpt: Path, item: str, step: int | None) -> tuple[int, dict]:
         if not (ckpt / str(step) / item).is_dir():
             items = sorted(p.name for p in (ckpt / str(step)).iterdir() if p.is_dir())
             raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
-        verified = check_step(ckpt.parent, step, [item])
+        verified = check_step(ckpt.parent, step, [item], warn=False)
         with _unreadable_as_run_dir_error(ckpt, step, item, verified):
             metadata = mngr.item_metadata(step)
         if metadata.get(item) is None:
@@ -509,6 +538,8 @@ def export_hf(
             overwrite=overwrite,
             progress=progress,
         )
+    if not verified:
+        digests.warn_unverified(step, run_dir)
     return out, cfg
 
 
