@@ -34,7 +34,7 @@ from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_source
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models.hf_io import abstract_model
-from jaxloop.models.orbax_io import RunDirError
+from jaxloop.models.orbax_io import RunDirError, write_text_atomic
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.learner import make_optimizer, metrics_to_host
@@ -292,7 +292,9 @@ class SFTRun:
             self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             if self.is_main:
                 self.checkpointer.write_configs(self.actor_abstract)
-                (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+                write_text_atomic(
+                    self.run_dir / "config.json", cfg.to_json_best_effort(indent=2) + "\n"
+                )
         self.start = self.state.update_count
         self.stepper = SFTStepper(
             nnx.split(self.actor_abstract)[0],

@@ -44,6 +44,7 @@ from jaxloop.models.orbax_io import (
     older_step_offer,
     read_config,
     restore_model,
+    write_text_atomic,
 )
 from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
@@ -460,7 +461,9 @@ class Trainer:
                 self.checkpointer.write_configs(
                     self.training.actor_abstract, self.training.critic_abstract
                 )
-                (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+                write_text_atomic(
+                    self.run_dir / "config.json", cfg.to_json_best_effort(indent=2) + "\n"
+                )
         self.state = self.learner.rest(self.state)  # offloaded parts to host memory
         self.start_update = self.state.update_count
         engine_model = (
