@@ -15,7 +15,9 @@ so the greedy reward is the trainer's `eval_reward` of that checkpoint.
   fraction of prompts with at least one correct sample).
 - `--reward NAME` scores with another reward (e.g. `exact_match` for a run trained on `format`).
 
-Prints a table, then one JSON line on stdout. Errors are one line on stderr, exit code 2.
+Prints a table, then one JSON line on stdout. The step's actor_params are verified against its
+digests first (a damaged step is refused, naming the newest older step that verifies). Errors are
+one line on stderr, exit code 2 (jaxloop.errors' boundary); anything else keeps its traceback.
 """
 
 from __future__ import annotations
