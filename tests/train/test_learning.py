@@ -13,6 +13,7 @@ import pytest
 
 from tests.train.helpers import run_train
 
+USES_REAL_ENGINES = False  # trainer processes only: its own xdist group (conftest)
 MARGIN = 0.15
 LIFT_UPDATES = 60
 
