@@ -383,6 +383,18 @@ def test_damaged_run_dir(case, entry, tmp_path, capsys, base_run):
             assert "checkpoint 1 verifies: pass --step 1" in line
 
 
+def test_offer_of_an_older_step_without_digests(tmp_path, capsys, base_run):
+    """A run written before digests: a damaged newest step offers the older step as unverified
+    (nothing to check it against), not as damaged."""
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    (_step(run, 1) / DIGEST_FILE).unlink()
+    _flip_byte(_data_files(_step(run) / "actor_params")[0])
+    capsys.readouterr()
+    code = to_hf.main(["--checkpoint", str(run), "--out", str(tmp_path / "o")])
+    _one_line(capsys, code, "(checkpoint 1 has no digests (unverified): pass --step 1 to use it)")
+
+
 def test_damage_outside_the_restored_items_does_not_stop_to_hf(tmp_path, capsys, base_run):
     """Digests are per item: to_hf reads (and verifies) actor_params only."""
     run = tmp_path / "run"

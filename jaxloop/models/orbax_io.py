@@ -216,9 +216,11 @@ def older_step_offer(
     steps are hashed only when the text is formatted (in an error message)."""
 
     def text() -> str:
-        older = _intact_before(Path(run_dir).resolve() / CHECKPOINT_DIR, step, items)
+        older, verified = _intact_before(Path(run_dir).resolve() / CHECKPOINT_DIR, step, items)
         if older is None:
             return "no older checkpoint verifies; start a new run_dir"
+        if not verified:  # written before digests: nothing to check it against
+            return f"checkpoint {older} has no digests (unverified): {fallback.format(step=older)}"
         return f"checkpoint {older} verifies: {fallback.format(step=older)}"
 
     return _LazyText(text)
@@ -235,16 +237,20 @@ class _LazyText:
         return format(str(self), spec)
 
 
-def _intact_before(ckpt: Path, step: int, items: list[str] | None) -> int | None:
-    """The newest step before `step` whose digests verify (None: none does, or none has them)."""
+def _intact_before(ckpt: Path, step: int, items: list[str] | None) -> tuple[int | None, bool]:
+    """(the newest step before `step` whose digests verify, True); else (the newest older step
+    without digests, False: unverified, not known to be damaged); else (None, False)."""
     older = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir())
+    unverified = None
     for s in reversed([s for s in older if s < step]):
         try:
             if digests.verify_step(ckpt / str(s), items):
-                return s
+                return s, True
         except digests.DigestError:
             continue
-    return None
+        if unverified is None and all((ckpt / str(s) / i).is_dir() for i in items or []):
+            unverified = s
+    return unverified, False
 
 
 def latest_step(run_dir: str | Path) -> int | None:
