@@ -983,6 +983,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"rollout.engine_log_level={cfg.rollout.engine_log_level!r}; expected one of "
             f"{'/'.join(LOG_LEVELS)}"
         )
+    if cfg.data.task not in DOMAINS["data.task"].choices:  # the data module's wording
+        raise UsageError(
+            f"data.task={cfg.data.task!r}: unknown builtin task; choose one of "
+            f"{'/'.join(DOMAINS['data.task'].choices)}"
+        )
     check_domains(cfg)
     if [cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")].count(-1) > 1:
         raise UsageError(f"mesh {cfg.mesh.to_dict()}: at most one axis may be -1")

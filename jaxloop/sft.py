@@ -391,8 +391,11 @@ def _abstract_sft_state(actor_abstract, tx):
 
 
 def sft_preflight(cfg) -> None:
-    """Data, tokenizer and prompt lengths, before anything is built or written."""
-    from jaxloop.train import producer_settings
+    """The model source and its rules, data, tokenizer and prompt lengths, before anything is
+    built or written."""
+    from jaxloop.train import check_model_source, producer_settings
+
+    check_model_source(cfg)
 
     settings = dataclasses.replace(
         producer_settings(cfg, requires_groups=False), reward="exact_match"

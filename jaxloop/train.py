@@ -726,6 +726,19 @@ def _stored_vocab_size(cfg) -> int:
 
 
 # ---- before anything is written ----
+def check_model_source(cfg) -> LoopedConfig:
+    """model.init_checkpoint holds a checkpoint, and the model's own rules hold (query heads
+    divisible by key/value heads, an even head_dim, ...): the actor's LoopedConfig. Reads only;
+    a dry run makes these checks too (train and sft)."""
+    if cfg.model.init_checkpoint and not checkpoint_steps(cfg.model.init_checkpoint):
+        raise UsageError(
+            f"model.init_checkpoint={cfg.model.init_checkpoint!r} holds no checkpoint "
+            "(checkpoints/<step>/): give a run dir written by jaxloop.train, jaxloop.sft or "
+            "conversion.from_hf"
+        )
+    return actor_config(cfg)
+
+
 def preflight(cfg):
     """The checks a run makes before it builds a model or writes anything (a dry run makes them
     too): loss hyper-parameters; model.hf_dir's config.json, index and tensor headers (names,
@@ -741,13 +754,7 @@ def preflight(cfg):
         raise UsageError(f"algo: {err}") from None
     if cfg.model.hf_dir:
         check_hf_dir(cfg.model.hf_dir)
-    if cfg.model.init_checkpoint and not checkpoint_steps(cfg.model.init_checkpoint):
-        raise UsageError(
-            f"model.init_checkpoint={cfg.model.init_checkpoint!r} holds no checkpoint "
-            "(checkpoints/<step>/): give a run dir written by jaxloop.train, jaxloop.sft or "
-            "conversion.from_hf"
-        )
-    actor_config(cfg)  # the model's own rules (heads divisible by kv heads, even head_dim, ...)
+    check_model_source(cfg)
     vocab = _stored_vocab_size(cfg)
     settings = producer_settings(cfg, algo.requires_groups)
     if cfg.data.tokenizer == "char":

@@ -1128,18 +1128,32 @@ def test_a_bug_exits_1_with_a_traceback_in_a_fresh_process(tmp_path):
     assert "ZeroDivisionError: bug" in proc.stderr and not (tmp_path / "run").exists()
 
 
-def test_sft_boundary(tmp_path, capsys):
-    """jaxloop.sft: the same domains and the same boundary."""
+SFT_REFUSALS = [
+    (["--config.sft.lr=nan"], "sft.lr must be"),
+    (["--config.sft.lr=0"], "sft.lr must be"),
+    (["--config.keep_checkpoints=0"], "keep_checkpoints must be"),
+    (["--config.model.head_dim=15"], "head_dim=15 must be even"),
+    (["--config.run_dir="], "run_dir must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_sft_boundary(dry, tmp_path, capsys):
+    """jaxloop.sft: the same domains, model rules, init_checkpoint check and boundary."""
     from jaxloop.sft import main as sft_main
 
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "actor_config.json").write_text(json.dumps(tiny_hf_config("nanbeige")))
+    refusals = SFT_REFUSALS + [([f"--config.model.init_checkpoint={init}"], "holds no checkpoint")]
     before = _snapshot(tmp_path)
-    for value, message in (("nan", "sft.lr must be"), ("0", "sft.lr must be")):
+    for overrides, message in refusals:
         capsys.readouterr()
-        code = sft_main(
-            ["--config", "sft.py", f"--config.run_dir={tmp_path / 'r'}", f"--config.sft.lr={value}"]
-        )
-        err = capsys.readouterr().err.strip().splitlines()
-        assert code == 2 and len(err) == 1 and message in err[0], err
+        argv = ["--config", "sft.py", f"--config.run_dir={tmp_path / 'r'}", *overrides]
+        code = sft_main(argv + (["--dry-run"] if dry else []))
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2 and out == "" and len(lines) == 1 and message in lines[0], err
     assert _snapshot(tmp_path) == before
 
 
