@@ -7,7 +7,14 @@ Each row of CATALOGUE: an id, a setup (returns the extra command-line arguments;
 input files and an existing run dir), and the text the one line contains. Rows marked `dry` are
 also checked with --dry-run (their check runs before a model is built). A few rows are checked
 once more in a fresh process (the real stderr, not capsys). NaN / inf rewards are not errors:
-they are dropped and counted (the last test).
+they are dropped and counted (test_non_finite_rewards_are_dropped_and_counted).
+
+Below the rows, bad inputs by kind (issue 22): the three data-loss cases, checked byte for byte
+(an empty run_dir, a resume with keep_checkpoints=0, a rerun over another run's files); every
+numeric key of jaxloop.config.DOMAINS with NaN, inf, huge, 0, -1 and wrong-type values (through
+--dry-run; the issue's values through a real run too); every key with choices or that needs a
+value; config files and reward functions that fail; starts that would leave a skeleton run dir;
+the exception boundary (a bug keeps its traceback, exit 1); the non-finite guard.
 """
 
 from __future__ import annotations
