@@ -48,7 +48,12 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def error_line(err: BaseException, prefix: str = "") -> str:
-    """`error: <prefix><first line of the message>` (the type name when the message is empty)."""
+    """`error: <prefix><first line of the message>` (the type name when the message is empty).
+    An error raised in a Ray actor (a RayTaskError, also an instance of its cause's type) is
+    reported by its cause: the user's message, not Ray's header."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        err = cause
     text = str(err).strip() or type(err).__name__
     return f"error: {prefix}{text.splitlines()[0]}"
 

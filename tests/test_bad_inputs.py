@@ -1187,3 +1187,23 @@ def test_guard_never_commits_non_finite_parameters(tx_name):
     assert run.state.version == 0
     after = jax.tree.map(np.asarray, run.state.actor_params)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+
+
+def test_error_line_of_an_actor_error():
+    """A user error raised in a Ray actor (the vLLM path's rollout manager scores the rewards)
+    arrives as a RayTaskError that is also an instance of its cause's type: the one line is the
+    cause's message, not Ray's multi-line header."""
+    from jaxloop.errors import error_line, is_user_error
+    from jaxloop.rollout.producer import RewardError
+
+    cause = RewardError("reward function 'm:f' raised KeyError: 'x'")
+
+    class FakeRayTaskError(RewardError):  # what ray.exceptions.RayTaskError.as_instanceof_cause
+        def __init__(self):
+            super().__init__("ray::RolloutManager.produce() (pid=1)\n  File ...\nTraceback")
+            self.cause = cause
+
+    err = FakeRayTaskError()
+    assert is_user_error(err)
+    assert error_line(err) == f"error: {cause}"
+    assert error_line(RuntimeError("")) == "error: RuntimeError"
