@@ -120,3 +120,5 @@ class TrainCheckpointer:
 
     def close(self) -> None:
         self.manager.close()
+        if jax.process_index() == 0:  # what a kill left in checkpoints/.deleted/
+            digests.empty_trash(self.run_dir / CHECKPOINT_DIR)

@@ -11,7 +11,8 @@ names. Events (n: the step / update / version concerned):
   metrics                the metrics row of update n was written (its checkpoint is not yet)
   save / saved           TrainCheckpointer.save of step n begins / ends (orbax writing)
   commit                 orbax is about to rename step n's temporary directory (all written)
-  delete / deleting      orbax is about to delete old step n / has deleted part of it
+  delete / deleting      orbax is about to delete old step n / has deleted part of it (the trainer's
+                         steps: after their rename into checkpoints/.deleted/)
   publish / published    Trainer.publish of version n begins / ends
 
 With JAXLOOP_CHAOS_SLEEP=S (seconds) the process sleeps S after the markers of update, metrics,
@@ -122,6 +123,18 @@ def install() -> None:
 
     def slow_delete(self, path, *args, **kwargs):
         mark("delete", _step_of(path), sleep=True)
+        destination = kwargs.get("destination")
+        if destination is not None:
+            # the trainer's deletion (todelete_subdir): the step is renamed into
+            # checkpoints/.deleted/ and removed there later; take part of it away in the trash,
+            # so that a kill in the following sleep leaves a half-deleted step there
+            result = delete(self, path, *args, **kwargs)
+            local = Path(str(destination))
+            items = sorted(p for p in local.iterdir() if p.is_dir()) if local.is_dir() else []
+            if items:
+                shutil.rmtree(items[0], ignore_errors=True)
+                mark("deleting", _step_of(path), sleep=True)
+            return result
         # take away part of it first (the first item directory), so that a kill in the
         # following sleep leaves a step directory deleted half-way
         local = Path(str(path))
