@@ -20,6 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxloop.config import UsageError
+from jaxloop.textfile import utf8_lines
 
 __all__ = [
     "METRICS_FILE",
@@ -62,23 +63,14 @@ class MetricsFileError(UsageError):
 
 def _read_lines(path: Path) -> list[dict]:
     out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise MetricsFileError(
-                    f"{path}: line {lineno} is not UTF-8 (byte {raw[e.start]:#04x} at column "
-                    f"{e.start + 1}): the file is damaged; repair or delete that line"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-            if isinstance(row, dict) and isinstance(row.get("update"), int):
-                out.append(row)
+    hint = ": the file is damaged; repair or delete that line"
+    for _, line in utf8_lines(path, MetricsFileError, hint):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(row, dict) and isinstance(row.get("update"), int):
+            out.append(row)
     return out
 
 

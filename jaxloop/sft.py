@@ -28,7 +28,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxloop import errors
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_source
@@ -408,16 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxloop.sft`, behind the entry points' one exception boundary
     (jaxloop/errors.py): a user error is one line and exit code 2 (what a fresh start had created
     is removed again), anything else keeps its traceback."""
-    from jaxloop.train import FreshStartCleanup
+    from jaxloop.train import run_cleaning_up
 
     argv = sys.argv[1:] if argv is None else argv
-    cleanup: list[FreshStartCleanup] = []
-
-    def undo(err) -> None:
-        for fresh in cleanup:
-            fresh.undo(err)
-
-    return errors.run_entry_point(lambda: _main(argv, cleanup), on_user_error=undo)
+    return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
 
 
 def _main(argv: list[str], cleanup: list) -> int:

@@ -1150,19 +1150,25 @@ def _report(cfg, trainer, started: float) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxloop.train`. One exception boundary (jaxloop/errors.py): a user error is one
-    line on stderr and exit code 2, and what a fresh start had created is removed again; a run
-    stopped by a log-prob mismatch or non-finite updates exits with code 3; anything else is a
-    bug and keeps its traceback."""
-    argv = sys.argv[1:] if argv is None else argv
+def run_cleaning_up(body) -> int:
+    """`body(cleanup)` behind the entry points' boundary (jaxloop/errors.py); `body` appends a
+    FreshStartCleanup for every fresh start it makes, and a user error undoes them all."""
     cleanup: list[FreshStartCleanup] = []
 
     def undo(err) -> None:
         for fresh in cleanup:
             fresh.undo(err)
 
-    return errors.run_entry_point(lambda: _main(argv, cleanup), on_user_error=undo)
+    return errors.run_entry_point(lambda: body(cleanup), on_user_error=undo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxloop.train`. One exception boundary (jaxloop/errors.py): a user error is one
+    line on stderr and exit code 2, and what a fresh start had created is removed again; a run
+    stopped by a log-prob mismatch or non-finite updates exits with code 3; anything else is a
+    bug and keeps its traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
 
 
 def _main(argv: list[str], cleanup: list) -> int:

@@ -732,16 +732,21 @@ def _contents(root: Path) -> dict[str, bytes | None]:
     }
 
 
-def _refused(argv: list[str], capsys, message: str) -> str:
-    """main(argv) prints one line `error: ...` containing `message` and returns 2."""
-    capsys.readouterr()
-    code = main(argv)
+def one_error_line(capsys, code: int, message: str) -> str:
+    """An entry point returned `code` 2 and printed one line `error: ...` containing `message`
+    (and nothing on stdout)."""
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and out == "", (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert message in lines[0], lines[0]
     return lines[0]
+
+
+def _refused(argv: list[str], capsys, message: str) -> str:
+    """main(argv) prints one line `error: ...` containing `message` and returns 2."""
+    capsys.readouterr()
+    return one_error_line(capsys, main(argv), message)
 
 
 def _argv(run_dir, *extra: str, algorithm: str = ALGO) -> list[str]:

@@ -37,18 +37,21 @@ from jaxloop.models.digests import DIGEST_FILE, TRASH_DIR, verify_step
 from jaxloop.models.hf_io import read_safetensors, write_safetensors
 from jaxloop.plot import main as plot_main
 from jaxloop.train import main as train_main
-from tests.test_bad_inputs import ALGO, BASE, _snapshot, _truncate, base_run, hf_dirs
+from tests.test_bad_inputs import (
+    ALGO,
+    BASE,
+    _snapshot,
+    _truncate,
+    base_run,
+    hf_dirs,
+    one_error_line,
+)
 
 __all__ = ["base_run", "hf_dirs"]  # module fixtures shared with test_bad_inputs.py
 
 
 def _one_line(capsys, code: int, message: str) -> str:
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and out == "", (code, out, err)
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert message in lines[0], lines[0]
-    return lines[0]
+    return one_error_line(capsys, code, message)
 
 
 def _train(run_dir: Path, *extra: str, dry: bool = False) -> int:

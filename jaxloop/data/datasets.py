@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxloop.textfile import utf8_lines
+
 __all__ = [
     "BuiltinSource",
     "DataError",
@@ -188,21 +190,11 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}: line {lineno} is not UTF-8 (byte {raw[e.start]:#04x} at column "
-                    f"{e.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
+    for lineno, line in utf8_lines(path, DataError):
+        try:
+            rows.append((f"line {lineno}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
     return rows
 
 
