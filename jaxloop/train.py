@@ -739,6 +739,22 @@ def check_model_source(cfg) -> LoopedConfig:
     return actor_config(cfg)
 
 
+def check_sft_keys_read(cfg) -> None:
+    """A training run reads the sft.* keys only for its warm start: one changed from its default
+    while warm_start.sft_steps is 0 would be silently ignored, so it is refused."""
+    from jaxloop.config import base_config, flat_items
+
+    if cfg.warm_start.sft_steps > 0:
+        return
+    defaults = dict(flat_items(base_config().sft))
+    for key, value in flat_items(cfg.sft):
+        if value != defaults[key]:
+            raise UsageError(
+                f"sft.{key}={value!r} is read only by a warm start: set warm_start.sft_steps > 0 "
+                "(or run python -m jaxloop.sft)"
+            )
+
+
 def preflight(cfg):
     """The checks a run makes before it builds a model or writes anything (a dry run makes them
     too): loss hyper-parameters; model.hf_dir's config.json, index and tensor headers (names,
@@ -752,6 +768,7 @@ def preflight(cfg):
         loss_hparams(cfg)
     except ValueError as err:
         raise UsageError(f"algo: {err}") from None
+    check_sft_keys_read(cfg)
     if cfg.model.hf_dir:
         check_hf_dir(cfg.model.hf_dir)
     check_model_source(cfg)

@@ -505,6 +505,12 @@ CATALOGUE = [
         dry=True,
     ),
     # ---- loop budgets
+    Row(
+        "sft key without a warm start (it would be ignored)",
+        _args("--config.sft.lr=0.01"),
+        "sft.lr=0.01 is read only by a warm start",
+        dry=True,
+    ),
     Row("loop budget not K@N", _args("--config.model.loop_budget=2@x"), "is not K@N", dry=True),
     Row(
         "loop budget not starting at update 0",
