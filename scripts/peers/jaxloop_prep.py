@@ -1,0 +1,95 @@
+"""Run with jaxloop's python (scripts/bench_peers.py does). For one jaxloop GRPO command line it
+exports what the peers need to do the same work:
+
+  OUT/model/          the actor jaxloop initialises for that command line (same seed, same init
+                      code path: jaxloop.train.build_actor) as an HF fp32 checkpoint (save_hf);
+                      TRL trains exactly this function from exactly these weights
+  OUT/prompts.json    the prompts (and labels, token ids) jaxloop's data source hands out, in
+                      order, for `--updates` updates of `prompts_per_update` prompts
+  OUT/prompts.jsonl   the same prompts as {prompt, label} lines (Tunix reads these)
+  OUT/tokenizer.json  jaxloop's char tokenizer ids (pad, bos, eos, alphabet, vocab size)
+  OUT/reference.npz   jaxloop's fp32 logits for 4 sequences of 42 tokens: trl_grpo.py refuses
+                      to train unless its model reproduces them
+
+Matched: model function and initial weights (TRL), prompt strings and order, token ids.
+
+    python scripts/peers/jaxloop_prep.py OUT --updates 14 -- --config grpo.py --config.model...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        raise SystemExit("usage: jaxloop_prep.py OUT --updates N -- <jaxloop.train arguments>")
+    split = argv.index("--")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--updates", type=int, required=True)
+    args = ap.parse_args(argv[:split])
+    train_argv = argv[split + 1 :]
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxloop.config import parse_args
+    from jaxloop.data.datasets import make_source
+    from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer
+    from jaxloop.models import save_hf
+    from jaxloop.train import build_actor, producer_settings
+
+    cfg = parse_args(train_argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model = build_actor(cfg)  # the same init as a training run's fresh state
+    save_hf(model, out / "model", dtype="float32", overwrite=True)
+
+    source = make_source(producer_settings(cfg, True).data)
+    tok = CharTokenizer(cfg.model.vocab_size)
+    prompts = []
+    for update in range(args.updates):
+        for ex in source.next_batch(cfg.prompts_per_update):
+            ids = tok.encode_prompt(tok.format_prompt(ex.prompt))
+            prompts.append({"update": update, "prompt": ex.prompt, "label": ex.label, "ids": ids})
+    (out / "prompts.json").write_text(json.dumps(prompts, indent=0))
+    with open(out / "prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p["prompt"], "label": p["label"]}) + "\n")
+    tokenizer = {
+        "specials": list(_CHAR_SPECIALS),
+        "pad_id": tok.pad_id,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "alphabet": CHAR_ALPHABET,
+        "vocab_size": tok.vocab_size,
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+    # reference logits: 4 sequences of a prompt and 32 random continuation ids
+    rng = np.random.default_rng(0)
+    vocab = cfg.model.vocab_size
+    ids = np.stack(
+        [np.array(p["ids"] + rng.integers(3, vocab, 32).tolist(), np.int32) for p in prompts[:4]]
+    )
+    logits = model(jnp.asarray(ids))
+    np.savez(out / "reference.npz", ids=ids, logits=np.asarray(jax.device_get(logits), np.float32))
+    summary = {
+        "out": str(out),
+        "prompts": len(prompts),
+        "prompt_tokens": sorted({len(p["ids"]) for p in prompts}),
+        "config": json.loads((out / "model" / "config.json").read_text()),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
