@@ -78,6 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "xla"
     c.model.logits_chunk = 0
+    c.model.scan_layers = True
     c.model.loop_budget = ""  # empty: full depth; "2@0,3@40": K loops from update N
 
     c.data = ml_collections.ConfigDict()
@@ -135,6 +136,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.offload.reference = False
 
     c.learner = ml_collections.ConfigDict()
+    c.learner.seq_multiple = 16
     c.learner.pack_tokens = 0  # >0: each micro-batch's samples packed into rows of this many
 
     c.critic = ml_collections.ConfigDict()
@@ -258,12 +260,17 @@ DESCRIPTIONS = {
     "model.compute_dtype": "compute dtype: float32 | bfloat16",
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
+    "model.scan_layers": "true: lax.scan over the layers and over the loops (one compiled "
+    "body each); false: both unrolled (longer compiles, lets XLA fuse across layers)",
     "offload.critic": "keep the critic and its optimizer state in pinned host memory outside "
     "the value and critic phases of an update",
     "offload.optimizer": "keep the actor's optimizer state in pinned host memory outside the "
     "actor phase (during generation and the critic phase)",
     "offload.reference": "keep the reference policy in pinned host memory outside its log-prob "
     "phase",
+    "learner.seq_multiple": "the learner's rows are the longest sample rounded up to a "
+    "multiple of this (fewer distinct shapes to compile), at most the longest prompt + "
+    "rollout.max_new_tokens",
     "learner.pack_tokens": "0: pad every sample to the longest; > 0: pack each micro-batch's "
     "samples into rows of this many tokens (>= data.max_prompt_tokens + rollout.max_new_tokens)",
     "model.preset": "a released model's shape with random weights (nanbeige-3b, ouro-1.4b; "
@@ -489,6 +496,7 @@ DOMAINS: dict[str, Domain] = {
     "model.remat": one_of("none", "full", "dots"),
     "model.attention_impl": one_of("xla", "cudnn"),
     "model.logits_chunk": count(0),  # 0: the whole sequence
+    "model.scan_layers": ANY,
     "model.loop_budget": ANY,  # parsed by parse_loop_budget
     "data.source": Domain(nonempty=True),
     "data.eval_source": ANY,
@@ -530,6 +538,7 @@ DOMAINS: dict[str, Domain] = {
     "offload.critic": ANY,
     "offload.optimizer": ANY,
     "offload.reference": ANY,
+    "learner.seq_multiple": count(1),
     "learner.pack_tokens": count(0),  # 0: off; else >= the longest sample (validate)
     "critic.lr": positive(),
     "critic.steps_per_rollout": count(1),

@@ -127,6 +127,7 @@ def actor_config(cfg) -> LoopedConfig:
         compute_dtype=m.compute_dtype,
         remat=m.remat,
         attention_impl=m.attention_impl,
+        scan_layers=m.scan_layers,
     )
     if m.hf_dir:
         return read_hf_config(m.hf_dir)[0].replace(**numerics)
@@ -151,7 +152,7 @@ def actor_config(cfg) -> LoopedConfig:
 def init_actor_params(cfg, model_cfg: LoopedConfig, mesh, shardings: dict) -> dict:
     """Fresh actor parameters, each tensor straight onto its sharding."""
     m = cfg.model
-    numerics = dict(remat=m.remat, attention_impl=m.attention_impl)
+    numerics = dict(remat=m.remat, attention_impl=m.attention_impl, scan_layers=m.scan_layers)
     if m.hf_dir:
         model = load_hf(
             m.hf_dir, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh, **numerics
@@ -597,6 +598,31 @@ class Trainer:
             self.producer.close()
         return 0
 
+    def old_logprobs(self, learner, update: int, metrics: dict, samples, batch, device_batch):
+        """The separate old-log-prob forward (several optimizer steps per rollout, per-loop
+        credit, a reference, draft features, critic warm-up), with the draft features it also
+        yields and the engine-vs-trainer check; its time goes to metrics."""
+        t1 = time.perf_counter()
+        if not self.cfg.draft_features.enabled:
+            old_lp = learner.old_logprobs(self.state, device_batch)
+        else:  # the same forward also yields the draft-model features
+            # every process runs the same programs (SPMD); only process 0 writes the features
+            old_lp, hidden = learner.old_logprobs(self.state, device_batch, with_hidden=True)
+            hidden = shd.to_host(hidden)
+            if self.features is not None:
+                metrics["draft_feature_tokens"] = float(
+                    self.features.write(update, self.version, samples, batch, hidden)
+                )
+        # per-loop credit: [L, N, T]; the engine sampled from the last loop
+        old_lp_host = shd.to_host(old_lp[-1] if learner.per_loop else old_lp)
+        metrics["time_old_logprobs"] = time.perf_counter() - t1
+        if metrics["staleness_max"] == 0:  # a batch of older versions cannot be checked
+            loop_old_lp = None
+            if learner.per_loop and batch.loop_behav_logprobs is not None:  # embedded sampler
+                loop_old_lp = shd.to_host(old_lp)  # every loop is checked
+            metrics.update(self.check_logprobs(update, batch, old_lp_host, loop_old_lp))
+        return old_lp
+
     def one_update(self, update: int, last: int, bar) -> None:
         cfg = self.cfg
         metrics = {"policy_version": float(self.version)}
@@ -628,35 +654,34 @@ class Trainer:
             samples,
             num_loops=loops if early_exit else 0,
             depth_as_action=cfg.algo.depth_as_action,
+            seq_multiple=cfg.learner.seq_multiple,
+            max_new_tokens=cfg.rollout.max_new_tokens,
         ).pad_to(shd.data_parallel_size(self.mesh))
         if cfg.learner.pack_tokens > 0:  # one sample length: the packed learner's shapes are fixed
             batch = batch.with_length(cfg.learner.pack_tokens + 1)
         device_batch = learner.place_batch(batch.arrays())
-        t1 = time.perf_counter()
-        if not cfg.draft_features.enabled:
-            old_lp = learner.old_logprobs(self.state, device_batch)
-        else:  # the same forward also yields the draft-model features
-            # every process runs the same programs (SPMD); only process 0 writes the features
-            old_lp, hidden = learner.old_logprobs(self.state, device_batch, with_hidden=True)
-            hidden = shd.to_host(hidden)
-            if self.features is not None:
-                metrics["draft_feature_tokens"] = float(
-                    self.features.write(update, self.version, samples, batch, hidden)
-                )
-        # per-loop credit: [L, N, T]; the engine sampled from the last loop
-        old_lp_host = shd.to_host(old_lp[-1] if learner.per_loop else old_lp)
-        metrics["time_old_logprobs"] = time.perf_counter() - t1
-        if metrics["staleness_max"] == 0:  # a batch of older versions cannot be checked
-            loop_old_lp = None
-            if learner.per_loop and batch.loop_behav_logprobs is not None:  # embedded sampler
-                loop_old_lp = shd.to_host(old_lp)  # every loop is checked
-            metrics.update(self.check_logprobs(update, batch, old_lp_host, loop_old_lp))
-        t_update = time.perf_counter()
         critic_only = update < cfg.critic.warmup_updates  # critic warm-up: the actor waits
         metrics["critic_warmup"] = float(critic_only)
-        self.state, update_metrics = learner.update(
-            self.state, {**device_batch, "old_logprobs": old_lp}, critic_only=critic_only
+        # the engine-vs-trainer check compares log-probs of the policy that sampled the batch
+        checked = metrics["staleness_max"] == 0  # a batch of older versions cannot be checked
+        fused = (
+            learner.fuses_old_logprobs
+            and not critic_only
+            and not cfg.draft_features.enabled
+            and self.state.ref_params is None
         )
+        if fused:  # one optimizer step: the update's own forward gives the old log-probs
+            metrics["time_old_logprobs"] = 0.0
+            t_update = time.perf_counter()
+            self.state, update_metrics, old_lp = learner.update_fused(self.state, device_batch)
+            if checked:  # after the step, before anything of it is saved or published
+                metrics.update(self.check_logprobs(update, batch, shd.to_host(old_lp)))
+        else:
+            old_lp = self.old_logprobs(learner, update, metrics, samples, batch, device_batch)
+            t_update = time.perf_counter()
+            self.state, update_metrics = learner.update(
+                self.state, {**device_batch, "old_logprobs": old_lp}, critic_only=critic_only
+            )
         metrics.update(metrics_to_host(update_metrics))
         self.warn_constant_values(update, metrics)
         metrics.update(learner.last_moves)
@@ -821,7 +846,8 @@ def check_writable(run_dir) -> None:
 # Keys a resume may change: where and how the run executes, how often it evaluates, checkpoints
 # and logs, when it stops. They leave what an update computes alone: micro_batch_size splits the
 # same sums into other partial sums (equal up to float rounding; bitwise only when unchanged),
-# remat / attention_impl / logits_chunk compute the same values, a mesh or an offload places
+# remat / attention_impl / logits_chunk / scan_layers compute the same values, learner.seq_multiple
+# only adds padding columns that every sum masks out, a mesh or an offload places
 # them, model.hf_dir / model.init_checkpoint only gave the first weights (the architecture they
 # give is compared through actor_config.json), rollout.engine samples the same policy. Every other
 # key is the run's math (seed, algorithm, algo.*, optim.*, critic.* when the algorithm has a
@@ -845,6 +871,8 @@ RESUME_FREE_KEYS = frozenset(
         "model.remat",
         "model.attention_impl",
         "model.logits_chunk",
+        "model.scan_layers",
+        "learner.seq_multiple",
         "data.eval_source",
         "data.max_prompt_tokens",
         "rollout.engine",

@@ -43,6 +43,8 @@ class LoopedConfig:
     compute_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "xla"
+    # True: lax.scan over layers and loops (one compiled body each); False: both unrolled
+    scan_layers: bool = True
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):

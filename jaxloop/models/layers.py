@@ -15,6 +15,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
+def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """x [..., *in] @ w [*in, *out] over the last `contract` axes of x, as one 2-D matmul of
+    [tokens, prod(in)] by [prod(in), prod(out)]: the same sums as the einsum, but XLA's CPU
+    backend runs the flat form ~20% faster forward + backward than the multi-axis dot (a
+    4-layer fwd+bwd at the benchmark shape: 0.46 s vs 0.56 s; scripts/profile_update.py)."""
+    lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+    if w.shape[:contract] != inner:
+        raise ValueError(f"project: x {x.shape} does not contract with w {w.shape}")
+    size = 1
+    for n in inner:
+        size *= n
+    out = jnp.dot(x.reshape(-1, size), w.reshape(size, -1))
+    return out.reshape(lead + w.shape[contract:])
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables [B, S, head_dim] for split-half rotation, computed in float32."""
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
@@ -57,6 +72,6 @@ def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    g = jnp.einsum("bse,em->bsm", x, gate)
-    u = jnp.einsum("bse,em->bsm", x, up)
-    return jnp.einsum("bsm,me->bse", jax.nn.silu(g) * u, down)
+    g = project(x, gate)
+    u = project(x, up)
+    return project(jax.nn.silu(g) * u, down)

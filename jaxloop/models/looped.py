@@ -272,9 +272,9 @@ def looped_forward(
         new positions' keys / values are written into slot [loop, layer] in place."""
         w = {name: x.astype(cdt) for name, x in w.items()}
         x = L.rms_norm(h, w["input_norm"], eps)
-        q = jnp.einsum("bse,ehd->bshd", x, w["q_proj"])
-        k = jnp.einsum("bse,ehd->bshd", x, w["k_proj"])
-        v = jnp.einsum("bse,ehd->bshd", x, w["v_proj"])
+        q = L.project(x, w["q_proj"])
+        k = L.project(x, w["k_proj"])
+        v = L.project(x, w["v_proj"])
         q = constrain(L.apply_rope(q, cos, sin), Q_AXES)
         k = constrain(L.apply_rope(k, cos, sin), KV_AXES)
         v = constrain(v, KV_AXES)
@@ -298,7 +298,7 @@ def looped_forward(
                 attn = L.cudnn_causal_attention(q, k, v)
             else:
                 attn = L.grouped_attention(q, k, v, mask)
-        o = jnp.einsum("bshd,hde->bse", attn, w["o_proj"])
+        o = L.project(attn, w["o_proj"], contract=2)
         if cfg.sandwich_norm:
             o = L.rms_norm(o, w["attn_out_norm"], eps)
         h = h + o
@@ -323,7 +323,9 @@ def looped_forward(
             h, kv_all, new_last = layer(h, w, kv_cache, layer_last_kv, active)
             return (h, kv_all, layer_index + 1), new_last
 
-        (h, kv_all, _), last_kv = jax.lax.scan(body, (h, kv_all, jnp.int32(0)), (weights, last_kv))
+        (h, kv_all, _), last_kv = jax.lax.scan(
+            body, (h, kv_all, jnp.int32(0)), (weights, last_kv), unroll=not cfg.scan_layers
+        )
         return h, kv_all, last_kv
 
     def run_loop(carry, _):
@@ -363,7 +365,11 @@ def looped_forward(
     # a K-loop budget writes slots 0..K-1 of the carried cache and leaves the deeper ones as
     # they are
     (h, _, new_kv, _), loop_hidden = jax.lax.scan(
-        run_loop, (h0, jnp.int32(0), kv_all0, last_kv0), None, length=loops
+        run_loop,
+        (h0, jnp.int32(0), kv_all0, last_kv0),
+        None,
+        length=loops,
+        unroll=not cfg.scan_layers,
     )
 
     new_cache = None

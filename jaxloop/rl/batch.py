@@ -78,8 +78,12 @@ class RolloutBatch:
         num_loops: int = 0,
         exit_logprobs: Sequence[Sequence[float]] | None = None,
         loop_logprobs: Sequence[Sequence[Sequence[float]]] | None = None,
+        max_length: int | None = None,
     ) -> RolloutBatch:
-        """response_depths (with num_loops, the full depth of the prompt): each response token's
+        """Rows hold the longest sample rounded up to `seq_multiple` tokens (fewer distinct
+        shapes, fewer compilations), but never more than `max_length` (the longest prompt plus
+        the token budget: a round-up past it would only add padding).
+        response_depths (with num_loops, the full depth of the prompt): each response token's
         loop count. exit_logprobs: the gate's log p of each response token's exit, an action
         together with the next token: added to that token's behaviour log-prob (the first
         response token is predicted by the prompt, which exits at no sampled loop).
@@ -87,7 +91,9 @@ class RolloutBatch:
         loop's logits (the token's alone: exit log-probs are not added)."""
         n = len(prompts)
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-        seq = round_up(max(lengths) + 1, seq_multiple)
+        seq = round_up(max(lengths), seq_multiple)
+        if max_length is not None:
+            seq = max(min(seq, max_length), max(lengths))
         tokens = np.zeros((n, seq), np.int32)
         attn = np.zeros((n, seq), np.bool_)
         resp = np.zeros((n, seq - 1), np.float32)
@@ -139,12 +145,14 @@ class RolloutBatch:
         seq_multiple: int = 16,
         num_loops: int = 0,
         depth_as_action: bool = False,
+        max_new_tokens: int | None = None,
     ) -> RolloutBatch:
         """From anything with prompt_ids, response_ids, response_logprobs, group_id and (unless
         `scores` is given) reward. num_loops > 0 (early-exit rollouts): the depths of
         extras['response_depths']; depth_as_action: the exit log-probs
         extras['response_exit_logprobs'] join the behaviour log-probs. Per-loop log-probs
-        (extras['loop_logprobs']) are carried when every sample has them."""
+        (extras['loop_logprobs']) are carried when every sample has them. max_new_tokens (the
+        rollout's token budget): rows are at most the longest prompt plus it."""
         depths = exit_lps = None
         if num_loops > 0:
             depths = [s.extras["response_depths"] for s in samples]
@@ -164,6 +172,9 @@ class RolloutBatch:
             num_loops=num_loops,
             exit_logprobs=exit_lps,
             loop_logprobs=loop_lps,
+            max_length=None
+            if max_new_tokens is None or not samples
+            else max(len(s.prompt_ids) for s in samples) + max_new_tokens,
         )
 
     def pad_to(self, multiple: int) -> RolloutBatch:

@@ -386,28 +386,33 @@ def _step_plan(n: int, steps: int, micro: int) -> np.ndarray:
     return plan
 
 
-def _accumulate(micro_loss, params, batch):
+def _accumulate(micro_loss, params, batch, with_outputs: bool = False):
     """Sum loss, gradients and metric sums of `micro_loss(params, x) -> (loss, sums)` over the
-    leading micro-batch axis of `batch` with one scan (one compiled body for any count)."""
+    leading micro-batch axis of `batch` with one scan (one compiled body for any count).
+    with_outputs: `micro_loss` returns (loss, (sums, outputs)) and the per-micro-batch outputs
+    come back stacked as a fourth result."""
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     first = jax.tree.map(lambda v: v[0], batch)
-    sum_shapes = jax.eval_shape(lambda: micro_loss(params, first)[1])
+    aux_shapes = jax.eval_shape(lambda: micro_loss(params, first)[1])
+    sum_shapes = aux_shapes[0] if with_outputs else aux_shapes
 
     def step(carry, x):
         grads, loss, sums = carry
-        (micro, micro_sums), g = grad_fn(params, x)
+        (micro, aux), g = grad_fn(params, x)
+        micro_sums, outputs = aux if with_outputs else (aux, None)
         return (
             jax.tree.map(jnp.add, grads, g),
             loss + micro,
             jax.tree.map(jnp.add, sums, micro_sums),
-        ), None
+        ), outputs
 
     init = (
         jax.tree.map(jnp.zeros_like, params),
         jnp.float32(0.0),
         jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sum_shapes),
     )
-    return jax.lax.scan(step, init, batch)[0]
+    totals, outputs = jax.lax.scan(step, init, batch)
+    return (*totals, outputs) if with_outputs else totals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +484,7 @@ class Learner:
         if mesh is None:
             self._old_logprobs = jax.jit(self._old_logprobs_impl, static_argnums=2)
             self._update = jax.jit(self._update_impl, static_argnums=2, donate_argnums=0)
+            self._update_fused = self._update
         else:
             rows = shd.batch_sharding(mesh, ndim=1)
             self.batch_sharding = rows
@@ -494,6 +500,14 @@ class Learner:
                 static_argnums=2,
                 in_shardings=(state_shardings, rows),
                 out_shardings=(state_shardings, rep),
+                donate_argnums=0,
+            )
+            # without 'old_logprobs' in the batch: the old log-probs come back as a third output
+            self._update_fused = jax.jit(
+                self._update_impl,
+                static_argnums=2,
+                in_shardings=(state_shardings, rows),
+                out_shardings=(state_shardings, rep, rows),
                 donate_argnums=0,
             )
 
@@ -547,6 +561,35 @@ class Learner:
             lp = jnp.moveaxis(lp, 1, 0)  # computed sample axis first, as every batch field
             return (lp, hidden) if with_hidden else lp
 
+    @property
+    def fuses_old_logprobs(self) -> bool:
+        """One optimizer step per rollout, last-loop credit: the old policy is the one the
+        update's own forward runs, so `update_fused` takes its log-probs from that forward
+        (held fixed by stop_gradient) instead of a separate pass (slime's
+        --use-rollout-logprobs and Tunix skip that pass too; here the engine-vs-trainer check
+        still gets them)."""
+        return self.cfg.updates_per_rollout == 1 and not self.per_loop
+
+    def update_fused(self, state: TrainState, batch: dict) -> tuple[TrainState, dict, jax.Array]:
+        """`update` without a separate old-log-prob forward (`fuses_old_logprobs`): `batch`
+        holds the RolloutBatch fields only; returns (state, metrics, the [N, T] old log-probs,
+        i.e. the received policy's, as `old_logprobs` would give them)."""
+        if not self.fuses_old_logprobs:
+            raise ValueError(
+                f"update_fused needs one optimizer step per rollout and last-loop credit "
+                f"(updates_per_rollout={self.cfg.updates_per_rollout}, "
+                f"loop_credit={self.cfg.loop_credit})"
+            )
+        if "old_logprobs" in batch or state.ref_params is not None:
+            raise ValueError(
+                "update_fused: the batch carries old_logprobs, or the state has a reference "
+                "(its KL term reads them before the policy step): use old_logprobs + update"
+            )
+        with self._mesh_context():
+            if self.offload.any:
+                return self._update_offloaded(state, batch)
+            return self._update_fused(state, batch, False)
+
     def _with_loop_logprobs(self, batch: dict) -> dict:
         """Per-loop credit: the [L, N, T] 'old_logprobs' -> 'old_logprobs' the last loop's [N, T]
         (advantages, metrics) and 'loop_old_logprobs' [N, L, T] (sample axis first, placed like
@@ -573,6 +616,8 @@ class Learner:
         stay. The input state is donated: use only the returned one."""
         if critic_only and self.critic_graphdef is None:
             raise ValueError("critic_only update without a critic")
+        if "old_logprobs" not in batch:
+            raise ValueError("update: the batch has no 'old_logprobs' (see update_fused)")
         with self._mesh_context():
             batch = self._with_loop_logprobs(batch)
             if self.offload.any:
@@ -640,10 +685,11 @@ class Learner:
 
         actor_params, actor_opt = state.actor_params, state.actor_opt
         first_ok, actor_ok = jnp.bool_(False), jnp.bool_(True)  # critic_only: nothing applied
+        old_lp = None
         if not critic_only:
             if off["optimizer"]:
                 actor_opt = fetch("optimizer", "actor_opt")
-            actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_phase(
+            actor_params, actor_opt, first_ok, actor_ok, actor_metrics, old_lp = self._actor_phase(
                 state.actor_params, actor_opt, batch, prepared
             )
             metrics.update(actor_metrics)
@@ -664,7 +710,8 @@ class Learner:
                 critic_opt = self._move("critic", critic_opt, "pinned_host", True)
         counted = self._counters(_counter_fields(state), first_ok, actor_ok, critic_ok)
         trained = (actor_params, actor_opt, critic_params, critic_opt)
-        return _next_state(state, trained, counted, metrics)
+        new_state, metrics = _next_state(state, trained, counted, metrics)
+        return (new_state, metrics) if "old_logprobs" in batch else (new_state, metrics, old_lp)
 
     # ---- implementations ----
     def _model_inputs(self, batch: dict) -> dict:
@@ -810,9 +857,11 @@ class Learner:
             lp, entropy, old_kl, _ = self._token_stats(
                 p, x, old_params if algo.needs_old_policy_logits else None
             )
+            fused = "old_logprobs" not in x  # one step per rollout: the old policy is p itself
+            old_lp = jax.lax.stop_gradient(lp) if fused else x["old_logprobs"]
             inputs = LossInputs(
                 logprobs=lp,
-                old_logprobs=x["old_logprobs"],
+                old_logprobs=old_lp,
                 behav_logprobs=x["behav_logprobs"],
                 advantages=x["advantages"],
                 mask=x["mask"],
@@ -823,10 +872,11 @@ class Learner:
             if hp.entropy_coef:  # exploration bonus (the entropy is differentiable)
                 per_token = per_token - hp.entropy_coef * entropy
             metrics = dict(metrics)
-            metrics["approx_kl"] = kl_penalty(lp, x["old_logprobs"], "k3")
+            metrics["approx_kl"] = kl_penalty(lp, old_lp, "k3")
             metrics["entropy"] = entropy
             loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
-            return loss, masked_metric_sums(metrics, x["mask"])
+            sums = masked_metric_sums(metrics, x["mask"])
+            return loss, ((sums, old_lp) if fused else sums)
 
         return micro_loss
 
@@ -850,7 +900,7 @@ class Learner:
     # offloading between them) ----
     def _prepare_impl(self, ref_params, critic_params, batch: dict):
         """Reference log-probs, critic values and the algorithm's advantages (and returns)."""
-        mask, old_lp = batch["response_mask"], batch["old_logprobs"]
+        mask, old_lp = batch["response_mask"], batch.get("old_logprobs")
         out = {}
         token_kl = values = None
         if ref_params is not None:
@@ -891,13 +941,16 @@ class Learner:
 
     def _actor_impl(self, actor_params, actor_opt, batch: dict, prepared: dict):
         """`updates_per_rollout` optimizer steps, each on its part of the batch. Returns
-        (params, opt state, first step applied, all steps applied, metrics)."""
+        (params, opt state, first step applied, all steps applied, metrics, old log-probs): the
+        last are None, or without 'old_logprobs' in `batch` (one step, `fuses_old_logprobs`)
+        the [N, T] log-probs of the received parameters from the step's own forward."""
         cfg = self.cfg
         packed = cfg.pack_tokens > 0
+        fused = "old_logprobs" not in batch
         fields = {
             **({"rows_index": batch["step_pack_index"]} if packed else self._model_inputs(batch)),
             "mask": batch["response_mask"],
-            "old_logprobs": batch["old_logprobs"],
+            **({} if fused else {"old_logprobs": batch["old_logprobs"]}),
             "behav_logprobs": batch["behav_logprobs"],
             "advantages": prepared["advantages"],
             "sample": batch["sample_mask"],
@@ -928,28 +981,30 @@ class Learner:
             part = dict(part)
             num_samples = jnp.sum(part.pop("sample"))
             micro_loss = self._policy_micro_loss(old_params, num_samples, jnp.sum(part["mask"]))
-            grads, loss, sums = _accumulate(micro_loss, params, part)
+            grads, loss, sums, *old_lp = _accumulate(micro_loss, params, part, fused)
             grad_norm = optax.tree.norm(grads)
             ok = ok & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             params, opt_state, ok = _apply_if(ok, self.actor_tx, grads, params, opt_state)
             step_metrics = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in sums.items()}
             step_metrics["policy_loss"] = loss
             step_metrics["grad_norm"] = grad_norm
-            return (params, opt_state, ok), step_metrics
+            return (params, opt_state, ok), step_metrics, (old_lp[0] if fused else None)
 
         # The step loop is unrolled (a handful of steps): a scan would double-buffer its carry,
         # i.e. hold a second copy of the parameters and optimizer state. From the first step
         # with a non-finite loss or gradient norm on (or one whose step would leave non-finite
         # parameters or optimizer state: _apply_if), no step is applied.
         carry, per_step = (actor_params, actor_opt, jnp.bool_(True)), []
-        first_ok = None
+        first_ok = old_lp = None
         for i in range(plan.shape[0]):
-            carry, step_metrics = policy_step(carry, {k: v[i] for k, v in parts.items()})
+            carry, step_metrics, step_lp = policy_step(carry, {k: v[i] for k, v in parts.items()})
             first_ok = carry[2] if first_ok is None else first_ok
             per_step.append(step_metrics)
+            if step_lp is not None:  # one step: plan[0] is 0..n-1, then the padding index n
+                old_lp = step_lp.reshape((-1,) + step_lp.shape[2:])[:n]
         params, opt_state, all_ok = carry
         metrics = {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
-        return params, opt_state, first_ok, all_ok, metrics
+        return params, opt_state, first_ok, all_ok, metrics, old_lp
 
     def _critic_impl(self, critic_params, critic_opt, batch: dict, prepared: dict):
         """`critic.steps_per_rollout` value-loss steps on the whole batch."""
@@ -1003,8 +1058,9 @@ class Learner:
         prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch)
         actor_params, actor_opt = state.actor_params, state.actor_opt
         first_ok, actor_ok = jnp.bool_(False), jnp.bool_(True)  # critic_only: nothing applied
+        old_lp = None
         if not critic_only:
-            actor_params, actor_opt, first_ok, actor_ok, actor_metrics = self._actor_impl(
+            actor_params, actor_opt, first_ok, actor_ok, actor_metrics, old_lp = self._actor_impl(
                 state.actor_params, state.actor_opt, batch, prepared
             )
             metrics.update(actor_metrics)
@@ -1016,7 +1072,8 @@ class Learner:
             metrics.update(critic_metrics)
         counted = self._counters_impl(_counter_fields(state), first_ok, actor_ok, critic_ok)
         trained = (actor_params, actor_opt, critic_params, critic_opt)
-        return _next_state(state, trained, counted, metrics)
+        new_state, metrics = _next_state(state, trained, counted, metrics)
+        return (new_state, metrics) if "old_logprobs" in batch else (new_state, metrics, old_lp)
 
 
 def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict):
@@ -1077,4 +1134,10 @@ def _explained_variance(values, returns, mask):
 
 
 def metrics_to_host(metrics: dict) -> dict[str, float]:
-    return {k: float(shd.to_host(v)) for k, v in metrics.items()}
+    """Device scalars -> floats: one transfer for all of them (a multi-host array whose value
+    is not all on this host goes through `to_host`)."""
+    local = {k: v for k, v in metrics.items() if getattr(v, "is_fully_addressable", True)}
+    fetched = jax.device_get(local)
+    return {
+        k: float(fetched[k]) if k in fetched else float(shd.to_host(v)) for k, v in metrics.items()
+    }

@@ -1,0 +1,198 @@
+"""Where one learner update's time goes: the bench_peers shape, one process, variants interleaved.
+
+    python scripts/profile_update.py                       # model A and B, default settings
+    python scripts/profile_update.py --models A --variant unrolled:model.scan_layers=false \\
+        --variant mb16:micro_batch_size=16 --hlo-stats
+
+Builds jaxloop's learner (`jaxloop.train.Training`) for the benchmark's work (GRPO, 64 samples,
+one AdamW step per rollout, one micro-batch of 64, fp32, the bench_peers model shapes) and a
+synthetic rollout batch of the benchmark's lengths (10-token prompts, responses of 1..32 tokens,
+one of 32), then times, per variant and after a compile-and-warm-up round:
+
+  old_logprobs   the separate forward (Learner.old_logprobs; what several steps per rollout run)
+  update         Learner.update given those log-probs (forward + backward + AdamW)
+  separate       old_logprobs + update (the path before fusing)
+  fused          Learner.update_fused (one forward: the old log-probs come out of the step)
+  metrics_host   metrics_to_host of the update's metrics
+
+`--hlo-stats` adds the compiled update's cost analysis (GFLOP, bytes accessed) and its HLO's
+counts of while loops, fusions and copies. Rounds interleave the variants; medians over
+--rounds. Prints a table and one JSON line. Never run beside a test suite: compare ratios
+within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxloop import train  # noqa: E402
+from jaxloop.config import parse_args  # noqa: E402
+from jaxloop.parallel import mesh as shd  # noqa: E402
+from jaxloop.rl.batch import RolloutBatch  # noqa: E402
+from jaxloop.rl.learner import metrics_to_host  # noqa: E402
+
+SHAPE = {
+    "model.hidden_size": 256,
+    "model.intermediate_size": 512,
+    "model.num_heads": 8,
+    "model.num_kv_heads": 4,
+    "model.head_dim": 32,
+    "model.vocab_size": 64,
+    "micro_batch_size": 64,
+    "updates_per_rollout": 1,
+    "warm_start.sft_steps": 0,
+    "rollout.max_new_tokens": 32,
+    "algo.kl_coef": 0.0,
+    "optim.name": "adamw",
+    "optim.lr": 0.001,
+    "model.remat": "none",
+}
+MODELS = {
+    "A": {"model.num_layers": 2, "model.num_loops": 2},
+    "B": {"model.num_layers": 4, "model.num_loops": 1},
+}
+PROMPT, SAMPLES, GROUP = 10, 64, 8
+
+
+def build(model: str, overrides: dict, algorithm: str):
+    keys = {**SHAPE, **MODELS[model], **overrides}
+    argv = ["--config", f"{algorithm}.py", "--config.run_dir=/tmp/profile_update_unused"]
+    argv += [f"--config.{k}={v}" for k, v in keys.items()]
+    cfg = parse_args(argv)
+    model_cfg = train.actor_config(cfg)
+    mesh = shd.make_mesh(**train.validate_mesh(cfg, jax.device_count(), model_cfg))
+    training = train.Training(cfg, model_cfg, mesh)
+    return cfg, training
+
+
+def synthetic_batch(cfg, rng: np.random.Generator) -> RolloutBatch:
+    """64 samples: 10-token prompts, responses of 1..max_new tokens (the first one the longest),
+    random tokens, rewards in {0, 1} per group."""
+    max_new, vocab = cfg.rollout.max_new_tokens, cfg.model.vocab_size
+    lengths = rng.integers(1, max_new + 1, SAMPLES)
+    lengths[0] = max_new
+    prompts = [list(rng.integers(3, vocab, PROMPT)) for _ in range(SAMPLES)]
+    responses = [list(rng.integers(3, vocab, n)) for n in lengths]
+    logprobs = [list(-rng.random(n).astype(np.float32)) for n in lengths]
+    scores = rng.integers(0, 2, SAMPLES).astype(np.float32)
+    groups = np.arange(SAMPLES) // GROUP
+    return RolloutBatch.from_sequences(
+        prompts,
+        responses,
+        logprobs,
+        scores,
+        groups,
+        seq_multiple=cfg.learner.seq_multiple,
+        max_length=PROMPT + max_new,
+    )
+
+
+def hlo_stats(learner, state, batch) -> dict:
+    lowered = learner._update_fused.lower(state, batch, False)
+    compiled = lowered.compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    return {
+        "gflop": float(cost.get("flops", 0.0)) / 1e9,
+        "gb_accessed": float(cost.get("bytes accessed", 0.0)) / 1e9,
+        "while_loops": len(re.findall(r"\bwhile\(", text)),
+        "fusions": len(re.findall(r"\bfusion\(", text)),
+        "copies": len(re.findall(r"\bcopy\(", text)),
+    }
+
+
+class Variant:
+    def __init__(self, label: str, model: str, overrides: dict, algorithm: str, seed: int):
+        self.label, self.model = label, model
+        self.cfg, self.training = build(model, overrides, algorithm)
+        self.learner = self.training.learner
+        self.state = self.training.fresh_state()
+        host = synthetic_batch(self.cfg, np.random.default_rng(seed))
+        self.positions = host.tokens.shape[1] - 1
+        self.batch = self.learner.place_batch(host.arrays())
+        self.times: dict[str, list[float]] = {}
+
+    def timed(self, name: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        self.times.setdefault(name, []).append(time.perf_counter() - start)
+        return out
+
+    def round(self) -> None:
+        learner = self.learner
+        old = self.timed("old_logprobs", lambda: learner.old_logprobs(self.state, self.batch))
+        self.state, metrics = self.timed(
+            "update", lambda: learner.update(self.state, {**self.batch, "old_logprobs": old})
+        )
+        self.times.setdefault("separate", []).append(
+            self.times["old_logprobs"][-1] + self.times["update"][-1]
+        )
+        self.timed("metrics_host", lambda: metrics_to_host(metrics))
+        self.state, metrics, _ = self.timed(
+            "fused", lambda: learner.update_fused(self.state, self.batch)
+        )
+        metrics_to_host(metrics)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, _, rest = text.partition(":")
+    overrides = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return label, overrides
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="A,B")
+    parser.add_argument("--algorithm", default="grpo", help="grpo | ppo | dppo | flow_dppo")
+    parser.add_argument("--variant", action="append", default=[], help="LABEL:key=value,...")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hlo-stats", action="store_true")
+    args = parser.parse_args(argv)
+    specs = [("default", {})] + [parse_variant(v) for v in args.variant]
+    variants = []
+    for model in args.models.split(","):
+        for label, overrides in specs:
+            print(f"building {model}/{label}", file=sys.stderr)
+            variants.append(Variant(label, model, overrides, args.algorithm, args.seed))
+    for v in variants:  # compile + warm up
+        v.round()
+        v.times.clear()
+    for r in range(args.rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            v.round()
+    phases = ("old_logprobs", "update", "separate", "fused", "metrics_host")
+    rows = []
+    for v in variants:
+        row = {"model": v.model, "variant": v.label, "positions": v.positions}
+        row.update({p: statistics.median(v.times[p]) for p in phases})
+        if args.hlo_stats:
+            row.update(hlo_stats(v.learner, v.state, v.batch))
+        rows.append(row)
+    cols = ["model", "variant", "positions", *phases] + (
+        ["gflop", "gb_accessed", "while_loops", "fusions", "copies"] if args.hlo_stats else []
+    )
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for row in rows:
+        cells = [f"{row[c]:.4f}" if isinstance(row[c], float) else str(row[c]) for c in cols]
+        print("| " + " | ".join(cells) + " |")
+    print(json.dumps({"profile_update": rows, "rounds": args.rounds, "jax": jax.__version__}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
