@@ -78,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "xla"
     c.model.logits_chunk = 0
-    c.model.scan_layers = True
+    c.model.scan_layers = False  # the full-size configs scan (official_config)
     c.model.loop_budget = ""  # empty: full depth; "2@0,3@40": K loops from update N
 
     c.data = ml_collections.ConfigDict()
@@ -260,8 +260,10 @@ DESCRIPTIONS = {
     "model.compute_dtype": "compute dtype: float32 | bfloat16",
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
-    "model.scan_layers": "true: lax.scan over the layers and over the loops (one compiled "
-    "body each); false: both unrolled (longer compiles, lets XLA fuse across layers)",
+    "model.scan_layers": "true: lax.scan over the layers and over the loops in the learner's "
+    "forward (one compiled body each: short compiles for deep models, the full-size configs); "
+    "false: both unrolled (XLA fuses across layers: faster for small models); decode always "
+    "scans",
     "offload.critic": "keep the critic and its optimizer state in pinned host memory outside "
     "the value and critic phases of an update",
     "offload.optimizer": "keep the actor's optimizer state in pinned host memory outside the "
@@ -662,6 +664,7 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
     c.model.compute_dtype = "bfloat16"
     c.model.remat = "full"
     c.model.logits_chunk = 1024
+    c.model.scan_layers = True  # 22 layers x 2 loops: one compiled layer body, not 44
     c.offload.critic = c.offload.optimizer = c.offload.reference = True
     c.prompts_per_update = 8
     c.n_samples_per_prompt = 4
