@@ -260,10 +260,9 @@ DESCRIPTIONS = {
     "model.compute_dtype": "compute dtype: float32 | bfloat16",
     "model.remat": "activation rematerialisation: none | full | dots",
     "model.attention_impl": "attention kernel: xla | cudnn (GPU)",
-    "model.scan_layers": "true: lax.scan over the layers and over the loops in the learner's "
-    "forward (one compiled body each: short compiles for deep models, the full-size configs); "
-    "false: both unrolled (XLA fuses across layers: faster for small models); decode always "
-    "scans",
+    "model.scan_layers": "true: lax.scan over the layers and over the loops (one compiled body "
+    "each: short compiles for deep models, the full-size configs); false: both unrolled (XLA "
+    "fuses across layers: faster for small models)",
     "offload.critic": "keep the critic and its optimizer state in pinned host memory outside "
     "the value and critic phases of an update",
     "offload.optimizer": "keep the actor's optimizer state in pinned host memory outside the "

@@ -43,9 +43,8 @@ class LoopedConfig:
     compute_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "xla"
-    # True: lax.scan over layers and loops (one compiled body each); False: both unrolled in a
-    # forward without a KV cache (the learner's; decode keeps its scans). The training configs'
-    # model.scan_layers sets it (false for the tiny models, true for the full-size ones)
+    # True: lax.scan over layers and loops (one compiled body each); False: both unrolled. The
+    # training configs' model.scan_layers sets it (false for tiny models, true at full size)
     scan_layers: bool = True
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 

@@ -312,10 +312,10 @@ def looped_forward(
         # remat matters for training only; the cached (decode) path is never differentiated
         layer = _remat(layer, cfg.remat)
 
-    # model.scan_layers=false unrolls the layer and loop scans of a forward without a cache (the
-    # learner's): XLA then fuses and schedules across layers (update ~25% faster at the bench
-    # shape); a decode step keeps its scans (unrolled, generation was ~10% slower there)
-    unroll = not cfg.scan_layers and cache is None
+    # model.scan_layers=false unrolls the layer and loop scans: XLA then fuses and schedules
+    # across layers (at the bench_peers shape the update ~25% faster, decode as fast or faster);
+    # true keeps one compiled layer body (compile time of deep models)
+    unroll = not cfg.scan_layers
 
     def run_layers(h, kv_all, loop_index, last_kv, active):
         """kv_all: None or the whole (k, v) cache, carried (not scanned over: a scanned slice

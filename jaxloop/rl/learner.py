@@ -411,7 +411,13 @@ def _accumulate(micro_loss, params, batch, with_outputs: bool = False):
         jnp.float32(0.0),
         jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sum_shapes),
     )
-    totals, outputs = jax.lax.scan(step, init, batch)
+    if jax.tree.leaves(batch)[0].shape[0] == 1:
+        # one micro-batch: no loop (a while loop of one trip still keeps XLA from fusing across
+        # its boundary and adds the zero accumulators); the same sums
+        totals, outputs = step(init, first)
+        outputs = None if outputs is None else jax.tree.map(lambda x: x[None], outputs)
+    else:
+        totals, outputs = jax.lax.scan(step, init, batch)
     return (*totals, outputs) if with_outputs else totals
 
 
