@@ -3,8 +3,8 @@
     python scripts/bench_peers.py       # the full benchmark: models A and B, jaxloop, tunix and
                                         # trl, 3 repeats x 14 updates (about 30 min, 2 cores)
     python scripts/bench_peers.py --models A --reps 1 --updates 4      # a quick check
-    python scripts/bench_peers.py --models A --systems jaxloop,jaxloop:unrolled,tunix,trl \\
-        --variant unrolled=--config.model.scan_layers=false           # two jaxloop settings
+    python scripts/bench_peers.py --models A --systems jaxloop,jaxloop:scan,tunix,trl \\
+        --variant scan=--config.model.scan_layers=true                # two jaxloop settings
 
 Every jaxloop command line is checked first (`jaxloop.train --dry-run`): a key jaxloop does not
 know stops the benchmark before anything runs.
@@ -30,7 +30,9 @@ Every run is a fresh process of --updates updates; the first --drop are dropped 
 allocation); medians are over the kept updates of all repeats. Phases per update:
   generate      jaxloop time_generate (sampler, detokenize, rewards, groups); TRL
                 _generate_and_score_completions; Tunix _generate_and_compute_advantage
-  old_logprobs  jaxloop time_old_logprobs (a separate forward); the peers skip it (none)
+  old_logprobs  jaxloop time_old_logprobs: 0 here (one optimizer step per rollout: the update's
+                own forward gives them), a separate forward with several steps; the peers
+                skip it (none)
   update        jaxloop time_update (loss forward + backward + clip + AdamW, metrics to host);
                 TRL the step minus generate; Tunix update_actor + block_until_ready
   learner       old_logprobs + update (what each system's learner spends per update)
@@ -102,6 +104,8 @@ WORKLOAD = {
     "optim.weight_decay": 0.0,
     "optim.grad_clip": 1.0,
     "model.remat": "none",
+    "model.scan_layers": "false",  # the default: layers and loops unrolled
+    "learner.seq_multiple": 16,  # the default: rows capped at prompt + max_new_tokens
     "eval_every": 0,  # 0: one evaluation after the last update, outside its timings
     "eval_prompts": 8,  # (that evaluation: only the process wall time sees it)
     "checkpoint_every": 0,  # 0: one checkpoint after the last update, outside its timings

@@ -108,6 +108,9 @@ class RolloutBatch:
         if response_depths is not None:
             depths = np.full((n, seq - 1), num_loops, np.int32)
             for i, (p, d) in enumerate(zip(prompts, response_depths, strict=True)):
+                # input positions only: a row of exactly the sample's length has no input
+                # position for its last token (it predicts nothing)
+                d = list(d)[: seq - 1 - len(p)]
                 depths[i, len(p) : len(p) + len(d)] = d
         loop_behav = None
         if loop_logprobs is not None:

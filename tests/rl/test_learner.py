@@ -258,3 +258,56 @@ def test_entropy_coef_is_the_only_gradient_when_advantages_vanish():
     assert before["grad_norm"] > 0.0
     after = bonus.update(arrays)
     assert after["entropy"] > before["entropy"]
+
+
+@pytest.mark.parametrize(
+    "name, pack, offload",
+    [("grpo", 0, False), ("ppo", 0, False), ("dppo", 24, False), ("flow_dppo", 0, True)],
+)
+def test_fused_old_logprobs_equal_the_separate_forward(name, pack, offload):
+    """One optimizer step per rollout: `update_fused` (the old log-probs taken from the step's
+    own forward under stop_gradient) gives the log-probs `old_logprobs` gives (3e-6, the fp32
+    selected log-prob tolerance), and the parameters, critic and metrics of old_logprobs +
+    update (1e-6), padded and packed, fused program and offloaded phases."""
+    arrays = _arrays()
+    off = OffloadConfig(optimizer=True, critic=True) if offload else None
+    separate = _Run(name, 4, updates=1, pack_tokens=pack, offload=off)
+    fused = _Run(name, 4, updates=1, pack_tokens=pack, offload=off)
+    assert fused.learner.fuses_old_logprobs
+    arrays.behav_logprobs = np.asarray(separate.old_logprobs(arrays)) - 0.01 * arrays.response_mask
+    for _ in range(2):  # the second update starts from a moved policy
+        expected_lp = np.asarray(separate.old_logprobs(arrays))
+        m_separate = separate.update(arrays)
+        fused.state, metrics, old_lp = fused.learner.update_fused(
+            fused.state, fused.learner.place_batch(arrays.arrays())
+        )
+        np.testing.assert_allclose(np.asarray(old_lp), expected_lp, atol=3e-6)
+        m_fused = {k: float(v) for k, v in metrics.items()}
+        for key in ("policy_loss", "grad_norm", "advantage_mean", "approx_kl"):
+            assert abs(m_separate[key] - m_fused[key]) <= 1e-6 * max(1.0, abs(m_separate[key]))
+    for field in ("actor_params", "critic_params"):
+        a, b = getattr(separate.state, field), getattr(fused.state, field)
+        if a is None:
+            continue
+        diff = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), a, b)
+        assert max(jax.tree.leaves(diff)) <= 1e-6, field
+    moved = jax.tree.map(
+        lambda a, b: float(jnp.abs(a - b).max()),
+        fused.state.actor_params,
+        _Run(name, 4, updates=1).state.actor_params,
+    )
+    assert max(jax.tree.leaves(moved)) > 1e-4  # the updates did something
+
+
+def test_fused_update_refuses_what_it_cannot_fuse():
+    two_steps = _Run("grpo", 4, updates=2)
+    assert not two_steps.learner.fuses_old_logprobs
+    batch = two_steps.learner.place_batch(_arrays().arrays())
+    with pytest.raises(ValueError, match="one optimizer step per rollout"):
+        two_steps.learner.update_fused(two_steps.state, batch)
+    with pytest.raises(ValueError, match="no 'old_logprobs'"):
+        two_steps.learner.update(two_steps.state, batch)
+    with_reference = _Run("grpo", 4, kl_coef=0.1, updates=1)
+    batch = with_reference.learner.place_batch(_arrays().arrays())
+    with pytest.raises(ValueError, match="reference"):
+        with_reference.learner.update_fused(with_reference.state, batch)

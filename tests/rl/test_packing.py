@@ -96,6 +96,11 @@ def test_packed_update_equals_padded(name, micro, kl, updates, chunk):
     m_padded, m_packed = padded.update(batch), packed.update(packed_batch)
     assert set(m_padded) == set(m_packed)
     for key, value in m_padded.items():
+        if key == "outward_frac":
+            # Flow-DPPO's first step has pi == pi_old: the fraction of tokens whose ratio is on
+            # the advantage's side of 1 counts the signs of fp32 rounding noise (ratio = 1 +-
+            # 1e-7), which differs between any two layouts; nothing is blocked by it (D = 0)
+            continue
         assert abs(m_packed[key] - value) <= 1e-6 * max(1.0, abs(value)), (key, value)
     assert m_padded["grad_norm"] > 0
     assert _max_diff(padded.state.actor_params, _Run(name, micro).state.actor_params) > 1e-4
