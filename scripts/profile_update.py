@@ -15,10 +15,11 @@ one of 32), then times, per variant and after a compile-and-warm-up round:
   fused          Learner.update_fused (one forward: the old log-probs come out of the step)
   metrics_host   metrics_to_host of the update's metrics
 
-`--hlo-stats` adds the compiled update's cost analysis (GFLOP, bytes accessed) and its HLO's
-counts of while loops, fusions and copies. Rounds interleave the variants; medians over
---rounds. Prints a table and one JSON line. Never run beside a test suite: compare ratios
-within one run.
+Run from a worktree of an older commit (copy this file into its scripts/) to measure the
+learner as it was: phases it lacks read nan. `--hlo-stats` adds the compiled update's cost
+analysis (GFLOP, bytes accessed) and its HLO's counts of while loops, fusions and copies. Rounds
+interleave the variants; medians over --rounds. Prints a table and one JSON line. Never run
+beside a test suite: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+# the checkout this script is in (a worktree of an older commit measures that commit)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxloop import train  # noqa: E402
@@ -63,6 +66,10 @@ MODELS = {
     "B": {"model.num_layers": 4, "model.num_loops": 1},
 }
 PROMPT, SAMPLES, GROUP = 10, 64, 8
+ROOT = Path(__file__).resolve().parent.parent
+COMMIT = subprocess.run(
+    ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+).stdout.strip()
 
 
 def build(model: str, overrides: dict, algorithm: str):
@@ -87,19 +94,20 @@ def synthetic_batch(cfg, rng: np.random.Generator) -> RolloutBatch:
     logprobs = [list(-rng.random(n).astype(np.float32)) for n in lengths]
     scores = rng.integers(0, 2, SAMPLES).astype(np.float32)
     groups = np.arange(SAMPLES) // GROUP
+    args = (prompts, responses, logprobs, scores, groups)
+    if "seq_multiple" not in cfg.learner:  # a checkout before learner.seq_multiple (--before)
+        return RolloutBatch.from_sequences(*args)
     return RolloutBatch.from_sequences(
-        prompts,
-        responses,
-        logprobs,
-        scores,
-        groups,
-        seq_multiple=cfg.learner.seq_multiple,
-        max_length=PROMPT + max_new,
+        *args, seq_multiple=cfg.learner.seq_multiple, max_length=PROMPT + max_new
     )
 
 
 def hlo_stats(learner, state, batch) -> dict:
-    lowered = learner._update_fused.lower(state, batch, False)
+    if hasattr(learner, "_update_fused"):
+        lowered = learner._update_fused.lower(state, batch, False)
+    else:  # a checkout before the fused update: the update given the old log-probs
+        old = learner.old_logprobs(state, batch)
+        lowered = learner._update.lower(state, {**batch, "old_logprobs": old}, False)
     compiled = lowered.compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -141,6 +149,9 @@ class Variant:
             self.times["old_logprobs"][-1] + self.times["update"][-1]
         )
         self.timed("metrics_host", lambda: metrics_to_host(metrics))
+        if not hasattr(learner, "update_fused"):  # a checkout before it
+            self.times.setdefault("fused", []).append(float("nan"))
+            return
         self.state, metrics, _ = self.timed(
             "fused", lambda: learner.update_fused(self.state, self.batch)
         )
@@ -181,6 +192,7 @@ def main(argv=None) -> int:
         row.update({p: statistics.median(v.times[p]) for p in phases})
         if args.hlo_stats:
             row.update(hlo_stats(v.learner, v.state, v.batch))
+        row["commit"] = COMMIT
         rows.append(row)
     cols = ["model", "variant", "positions", *phases] + (
         ["gflop", "gb_accessed", "while_loops", "fusions", "copies"] if args.hlo_stats else []
