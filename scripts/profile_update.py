@@ -39,32 +39,30 @@ import numpy as np
 # the checkout this script is in (a worktree of an older commit measures that commit)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import bench_peers  # noqa: E402  (scripts/, stdlib only)
+
 from jaxloop import train  # noqa: E402
 from jaxloop.config import parse_args  # noqa: E402
 from jaxloop.parallel import mesh as shd  # noqa: E402
 from jaxloop.rl.batch import RolloutBatch  # noqa: E402
 from jaxloop.rl.learner import metrics_to_host  # noqa: E402
 
+LEARNER_KEYS = (
+    "micro_batch_size",
+    "updates_per_rollout",
+    "warm_start.sft_steps",
+    "rollout.max_new_tokens",
+    "algo.kl_coef",
+    "optim.name",
+    "optim.lr",
+    "model.remat",
+)
+# the model shapes of scripts/bench_peers.py (one definition), and its learner settings
 SHAPE = {
-    "model.hidden_size": 256,
-    "model.intermediate_size": 512,
-    "model.num_heads": 8,
-    "model.num_kv_heads": 4,
-    "model.head_dim": 32,
-    "model.vocab_size": 64,
-    "micro_batch_size": 64,
-    "updates_per_rollout": 1,
-    "warm_start.sft_steps": 0,
-    "rollout.max_new_tokens": 32,
-    "algo.kl_coef": 0.0,
-    "optim.name": "adamw",
-    "optim.lr": 0.001,
-    "model.remat": "none",
+    **bench_peers.SHAPE,
+    **{k: bench_peers.WORKLOAD[k] for k in LEARNER_KEYS},
 }
-MODELS = {
-    "A": {"model.num_layers": 2, "model.num_loops": 2},
-    "B": {"model.num_layers": 4, "model.num_loops": 1},
-}
+MODELS = bench_peers.MODELS
 PROMPT, SAMPLES, GROUP = 10, 64, 8
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT = subprocess.run(
