@@ -191,6 +191,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.warm_start = ml_collections.ConfigDict()
     c.warm_start.sft_steps = 0  # >0: this many SFT steps on the train split before update 0
+    c.warm_start.stop_at_reward = 0.0  # >0: stop once the probe prompts' greedy reward reaches it
+    c.warm_start.probe_prompts = 64  # train-split prompts stop_at_reward is measured on
 
     c.draft_features = ml_collections.ConfigDict()
     c.draft_features.enabled = False
@@ -375,6 +377,11 @@ DESCRIPTIONS = {
     "warm_start.sft_steps": ">0: this many SFT steps (sft.batch_size, sft.lr) on the task's "
     "train split before update 0 of a fresh run (recorded in the checkpoint: a resume never "
     "repeats it); the critic and reference copy the warm-started actor",
+    "warm_start.stop_at_reward": ">0: end the warm start after the first step whose greedy mean "
+    "reward on warm_start.probe_prompts train-split prompts reaches this (sft_steps is then the "
+    "most it runs): RL starts from a partly right model whatever the seed; 0: all sft_steps",
+    "warm_start.probe_prompts": "train-split prompts (their own fixed draw, never the held-out "
+    "ones) the warm start's stop_at_reward is measured on, after every step",
     "draft_features.enabled": "save features to <run_dir>/draft_features/ every update",
     "draft_features.max_tokens_per_update": "feature rows per update at most",
     "draft_features.max_bytes": "feature bytes of the whole run at most",
@@ -573,6 +580,8 @@ DOMAINS: dict[str, Domain] = {
     "sft.batch_size": count(1),
     "sft.lr": positive(),
     "warm_start.sft_steps": count(0),
+    "warm_start.stop_at_reward": NON_NEGATIVE,  # 0: off
+    "warm_start.probe_prompts": count(1),
     "draft_features.enabled": ANY,
     "draft_features.max_tokens_per_update": count(1),
     "draft_features.max_bytes": count(1, 2**62),
@@ -681,15 +690,18 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
 
 def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The tiny model's multi-token recipe that configs/{ppo,grpo,dppo,flow_dppo}.py share (README
-    "Learning"): `reverse` of 3 digits with the `format` reward, 60 supervised warm-start steps,
-    150 updates of 2 optimizer steps each; a critic trains alone for 5 updates at lr 5e-3."""
+    "Learning"): `reverse` of 3 digits with the `format` reward; a supervised warm start that
+    stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 100 steps;
+    a fixed step count left seed-dependent starting points, 0.3-0.95), then 150 updates of 2
+    optimizer steps each; a critic trains alone for 5 updates at lr 5e-3."""
     from jaxloop.rl.algorithms import get_algorithm
 
     config.data.task = "reverse"
     config.data.num_digits = 3
     config.data.reward = "format"  # partial credit for a right prefix of the answer
     config.rollout.max_new_tokens = 4  # the answer and EOS
-    config.warm_start.sft_steps = 60
+    config.warm_start.sft_steps = 100
+    config.warm_start.stop_at_reward = 0.45
     config.total_updates = 150
     config.updates_per_rollout = 2
     if get_algorithm(config.algorithm).uses_critic:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
-from jaxloop.data.datasets import DataError, make_source
+from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.models.hf_io import abstract_model
 from jaxloop.models.orbax_io import RunDirError, write_text_atomic
@@ -78,6 +78,7 @@ SFT_RESUME_FREE = ("sft.steps", "rollout.max_new_tokens")
 SFT_RESUME_FIXED = ("data.max_prompt_tokens",)
 SFT_PROGRESS_KEYS = ("sft_loss", "sft_token_accuracy", "eval_accuracy")
 WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
+PROBE_SEED = 0x9B0  # the warm start's probe prompts: train-split prompts drawn apart from its data
 
 
 def sft_optimizer(cfg, steps: int):
@@ -112,20 +113,26 @@ class SFTData:
         self.source.restore(state)
 
 
-def run_steps(stepper: SFTStepper, params, opt_state, data: SFTData, steps: int, on_step):
-    """`steps` SFT steps; `on_step(i, params, metrics)` after each (host metrics). Returns the
-    parameters and optimizer state."""
-    for i in range(steps):
-        params, opt_state, metrics = stepper.step(params, opt_state, data.next_arrays())
-        params = on_step(i, params, metrics_to_host(metrics))
-    return params, opt_state
+def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> tuple[list, str]:
+    """What `warm_start.stop_at_reward` is measured on, and its name: up to `n` held-out
+    prompts past the `eval_prompts` that evaluation reports (a validation set: neither trained
+    on nor reported), or, where the held-out set has none left, `n` train-split prompts in
+    their own fixed order."""
+    validation = make_eval_examples(data, eval_prompts + n)[eval_prompts:]
+    if validation:
+        return validation, "validation"
+    return make_source({**data, "seed": derive_seed(seed, PROBE_SEED)}).next_batch(n), "train"
 
 
 def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
-    """`warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
-    `actor_params` (donated). Returns the warm-started actor parameters and the metrics of the
-    warm start (greedy eval reward before and after it, the last loss, seconds)."""
-    steps = cfg.warm_start.sft_steps
+    """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
+    `actor_params` (donated); with `warm_start.stop_at_reward > 0` it stops after the first step
+    whose greedy reward on `warm_start.probe_prompts` train prompts reaches that value, so the RL
+    run starts from a model that answers partly right, whatever the seed. Returns the
+    warm-started actor parameters and the metrics of the warm start (steps run, greedy eval
+    reward before and after it, the last probe reward and loss, seconds)."""
+    ws = cfg.warm_start
+    steps = ws.sft_steps
     mesh, shardings = training.mesh, training.shardings
     tx = sft_optimizer(cfg, steps)
     graphdef = nnx.split(training.actor_abstract)[0]
@@ -146,37 +153,54 @@ def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
     )
     data_cfg = {**producer.settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
     data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    probe = None
+    if ws.stop_at_reward > 0:
+        probe, _ = probe_examples(
+            producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts
+        )
     started = time.perf_counter()
     config = training.actor_abstract.config
-    producer.publish(Policy(training.policy_of(actor_params), 0, config))
+
+    def publish(params):
+        producer.publish(Policy(training.policy_of(params), 0, config))
+
+    publish(actor_params)
     before = producer.evaluate()
     bar = progress(
         total=steps,
         desc="warm start (sft)",
-        keys=SFT_PROGRESS_KEYS,
+        keys=("sft_loss", "sft_token_accuracy", "probe_reward"),
         disable=None if cfg.progress and jax.process_index() == 0 else True,
     )
     last: dict = {}
-
-    def on_step(i, params, metrics):
-        last.update(metrics)
-        bar.step(metrics)
-        return params
-
+    steps_run = 0
     try:
         opt_state = stepper.init(actor_params, opt_sharding)
-        actor_params, _ = run_steps(stepper, actor_params, opt_state, data, steps, on_step)
+        for step in range(1, steps + 1):
+            actor_params, opt_state, metrics = stepper.step(
+                actor_params, opt_state, data.next_arrays()
+            )
+            last.update(metrics_to_host(metrics))
+            steps_run = step
+            if probe is not None:
+                publish(actor_params)
+                last["probe_reward"] = float(np.mean(producer.eval_rewards(examples=probe)))
+            bar.step(last)
+            if probe is not None and last["probe_reward"] >= ws.stop_at_reward:
+                break
     finally:
         bar.close()
-    producer.publish(Policy(training.policy_of(actor_params), 0, config))
+    publish(actor_params)
     after = producer.evaluate()
     metrics = {
-        "warm_start_sft_steps": float(steps),
+        "warm_start_sft_steps": float(steps_run),
         "warm_start_eval_before": before,
         "warm_start_eval_after": after,
         "warm_start_sft_loss": last.get("sft_loss", float("nan")),
         "warm_start_seconds": time.perf_counter() - started,
     }
+    if probe is not None:
+        metrics["warm_start_probe_reward"] = last.get("probe_reward", float("nan"))
     return actor_params, metrics
 
 

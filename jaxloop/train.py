@@ -765,19 +765,22 @@ def check_model_source(cfg) -> LoopedConfig:
 
 
 def check_sft_keys_read(cfg) -> None:
-    """A training run reads the sft.* keys only for its warm start: one changed from its default
-    while warm_start.sft_steps is 0 would be silently ignored, so it is refused."""
+    """A training run reads the sft.* keys and the other warm_start.* keys only for its warm
+    start: one changed from its default while warm_start.sft_steps is 0 would be silently
+    ignored, so it is refused."""
     from jaxloop.config import base_config, flat_items
 
     if cfg.warm_start.sft_steps > 0:
         return
-    defaults = dict(flat_items(base_config().sft))
-    for key, value in flat_items(cfg.sft):
-        if value != defaults[key]:
-            raise UsageError(
-                f"sft.{key}={value!r} is read only by a warm start: set warm_start.sft_steps > 0 "
-                "(or run python -m jaxloop.sft)"
-            )
+    base = base_config()
+    for section in ("sft", "warm_start"):
+        defaults = dict(flat_items(base[section]))
+        for key, value in flat_items(cfg[section]):
+            if key != "sft_steps" and value != defaults[key]:
+                raise UsageError(
+                    f"{section}.{key}={value!r} is read only by a warm start: set "
+                    "warm_start.sft_steps > 0 (or run python -m jaxloop.sft)"
+                )
 
 
 def preflight(cfg):

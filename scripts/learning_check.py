@@ -5,8 +5,9 @@
         [--out runs/learning_check] [--config.key=value ...]
 
 A task is `NAME[:DIGITS][+warm]`: built-in task NAME with DIGITS digits (default 3), trained with
-each algorithm's own settings from its config file; `+warm` runs `warm_start.sft_steps=N`
-(--warm-steps) SFT steps before the first RL update, without it the run starts from random init.
+each algorithm's own settings from its config file; `+warm` keeps the config's warm start (SFT
+until the validation reward reaches `warm_start.stop_at_reward`; `--warm-steps N`: exactly N
+steps instead), without it the run starts from random init.
 `default` is the config's own job (the README's default job). Per task only what the task needs
 changes: `data.task`, `data.num_digits`, `rollout.max_new_tokens` (the longest answer plus one
 for EOS), the `format` reward. Every other argument goes to `jaxloop.train` (after these: it wins).
@@ -70,6 +71,21 @@ def curve(rows: list[dict]) -> list[tuple[int, float, float]]:
     return out
 
 
+def warm_overrides(task: str, warm: bool, warm_steps: int) -> list[str]:
+    """+warm: the config's warm start (with --warm-steps N: exactly N steps, no early stop);
+    without it none (the configs carry one); `default`: the config as it is."""
+    if task == "default":
+        return []
+    if not warm:
+        return ["--config.warm_start.sft_steps=0", "--config.warm_start.stop_at_reward=0"]
+    if warm_steps:
+        return [
+            f"--config.warm_start.sft_steps={warm_steps}",
+            "--config.warm_start.stop_at_reward=0",
+        ]
+    return []
+
+
 def run_one(algorithm, task, warm, seed, args, extra) -> dict:
     tag = f"{algorithm}-{task.replace(':', '')}{'-warm' if warm else ''}-s{seed}"
     run_dir = Path(args.out) / tag
@@ -85,8 +101,7 @@ def run_one(algorithm, task, warm, seed, args, extra) -> dict:
         "--config.progress=false",
         "--config.checkpoint_every=0",
         *task_overrides(task),
-        # +warm: the warm start; without it none (the configs carry one)
-        *([] if task == "default" else [f"--config.warm_start.sft_steps={warm * args.warm_steps}"]),
+        *warm_overrides(task, warm, args.warm_steps),
         *([f"--config.total_updates={args.updates}"] if args.updates else []),
         *extra,
     ]
@@ -126,7 +141,12 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--tasks", default="reverse:3+warm,add:2+warm,reverse:2")
     ap.add_argument("--updates", type=int, default=0, help="0: each config's total_updates")
-    ap.add_argument("--warm-steps", type=int, default=60, help="SFT steps of a +warm task")
+    ap.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="a +warm task's SFT steps, no early stop (0: the config's warm start)",
+    )
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--out", default="runs/learning_check")
     args, extra = ap.parse_known_args()

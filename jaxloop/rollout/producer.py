@@ -171,11 +171,15 @@ class RolloutProducer:
         return float(np.mean(self.eval_rewards()))
 
     def eval_rewards(
-        self, samples_per_prompt: int = 1, sampling: SamplingConfig | None = None
+        self,
+        samples_per_prompt: int = 1,
+        sampling: SamplingConfig | None = None,
+        examples: list | None = None,
     ) -> np.ndarray:
-        """Rewards [prompts, samples_per_prompt] of responses to the held-out prompts: greedy
-        (the default `sampling`, what `evaluate` averages) or sampled with `sampling` (sample j
-        of prompt i is seeded by (config seed, i, j))."""
+        """Rewards [prompts, samples_per_prompt] of responses to the held-out prompts (or to
+        `examples`): greedy (the default `sampling`, what `evaluate` averages) or sampled with
+        `sampling` (sample j of prompt i is seeded by (config seed, i, j))."""
+        examples = self.eval_examples if examples is None else examples
         k = int(samples_per_prompt)
         if k < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {k}")
@@ -190,14 +194,14 @@ class RolloutProducer:
                 label=ex.label,
                 prompt_text=ex.prompt,
             )
-            for i, ex in enumerate(self.eval_examples)
+            for i, ex in enumerate(examples)
             for j in range(k)
         ]
         if not requests:
             return np.zeros((0, k), np.float64)
         samples = self.engine.generate(requests, sampling)
         rewards = [self.score(self.response_text(s), s.label) for s in samples]
-        return np.asarray(rewards, np.float64).reshape(len(self.eval_examples), k)
+        return np.asarray(rewards, np.float64).reshape(len(examples), k)
 
     def requests(self, update: int) -> list[PromptRequest]:
         s = self.settings
