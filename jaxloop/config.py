@@ -691,7 +691,7 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
 def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The tiny model's multi-token recipe that configs/{ppo,grpo,dppo,flow_dppo}.py share (README
     "Learning"): `reverse` of 3 digits with the `format` reward; a supervised warm start that
-    stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 100 steps;
+    stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 400 steps;
     a fixed step count left seed-dependent starting points, 0.3-0.95), then 150 updates of 2
     optimizer steps each; a critic trains alone for 5 updates at lr 5e-3."""
     from jaxloop.rl.algorithms import get_algorithm
@@ -700,7 +700,7 @@ def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     config.data.num_digits = 3
     config.data.reward = "format"  # partial credit for a right prefix of the answer
     config.rollout.max_new_tokens = 4  # the answer and EOS
-    config.warm_start.sft_steps = 100
+    config.warm_start.sft_steps = 400  # at most; reverse of 3 digits stops after 45-65
     config.warm_start.stop_at_reward = 0.45
     config.total_updates = 150
     config.updates_per_rollout = 2

@@ -778,8 +778,9 @@ def check_sft_keys_read(cfg) -> None:
         for key, value in flat_items(cfg[section]):
             if key != "sft_steps" and value != defaults[key]:
                 raise UsageError(
-                    f"{section}.{key}={value!r} is read only by a warm start: set "
-                    "warm_start.sft_steps > 0 (or run python -m jaxloop.sft)"
+                    f"{section}.{key}={value!r} is read only by a warm start and "
+                    "warm_start.sft_steps is 0: set sft_steps > 0 (or run python -m "
+                    f"jaxloop.sft), or --config.{section}.{key}={defaults[key]!r} as well"
                 )
 
 

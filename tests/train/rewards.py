@@ -8,3 +8,8 @@ def char_code_reward(response: str, label: str) -> float:
 def overflow_reward(response: str, label: str) -> float:
     """Finite, but group sums overflow float32: GRPO advantages (and so the loss) become NaN."""
     return 3.0e38
+
+
+def one_reward(response: str, label: str) -> float:
+    """Every response is right: a warm start's validation reward is 1.0 after its first step."""
+    return 1.0

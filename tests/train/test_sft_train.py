@@ -7,6 +7,8 @@
   before / after is in update 0's row, a resume never repeats it (bitwise equal to the straight
   run), and the critic-only updates leave the actor, its optimizer state and the policy version
   untouched while the critic trains.
+- `warm_start.stop_at_reward`: the warm start ends after the first step whose validation reward
+  (held-out prompts past the reported ones) reaches it, and runs every step when none does.
 """
 
 from __future__ import annotations
@@ -172,11 +174,56 @@ def test_warm_start_and_critic_warmup_resume_bitwise(tmp_path):
 
 def test_warm_start_and_critic_warmup_refusals(tmp_path):
     cmd = [sys.executable, "-m", "jaxloop.train", "--dry-run", "--config"]
-    for config, key in (
+    no_warm_start = "--config.warm_start.sft_steps=0"
+    for config, *keys in (
         ("grpo.py", "--config.critic.warmup_updates=2"),
         ("ppo.py", "--config.warm_start.sft_steps=-1"),
         ("ppo.py", "--config.sft.batch_size=0"),
+        ("ppo.py", "--config.warm_start.probe_prompts=0"),
+        ("ppo.py", "--config.warm_start.stop_at_reward=-1"),
+        # read only by a warm start: refused, not ignored, without one
+        ("ppo.py", no_warm_start),  # the recipe's stop_at_reward stays
+        ("ppo.py", no_warm_start, "--config.warm_start.stop_at_reward=0", "--config.sft.lr=0.1"),
     ):
-        proc = subprocess.run([*cmd, config, key], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, (key, proc.stderr)
+        proc = subprocess.run([*cmd, config, *keys], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (keys, proc.stderr)
         assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_warm_start_stops_at_the_validation_reward(tmp_path):
+    # every response scores 1.0, so the validation reward is 1.0 from the first step on
+    base = (
+        *WARM,
+        "--config.data.reward=tests.train.rewards:one_reward",
+        "--config.critic.warmup_updates=0",
+        "--config.warm_start.sft_steps=4",
+        "--config.total_updates=1",
+    )
+    stopped = run_train(
+        tmp_path / "stopped", "grpo.py", *base, "--config.warm_start.stop_at_reward=1"
+    )
+    unreached = run_train(
+        tmp_path / "unreached", "grpo.py", *base, "--config.warm_start.stop_at_reward=1.5"
+    )
+    assert stopped[0]["warm_start_sft_steps"] == 1
+    assert stopped[0]["warm_start_probe_reward"] == 1.0
+    assert unreached[0]["warm_start_sft_steps"] == 4
+    assert unreached[0]["warm_start_probe_reward"] == 1.0
+    assert stopped[0]["warm_start_sft_loss"] != unreached[0]["warm_start_sft_loss"]
+
+
+def test_warm_start_probe_is_a_validation_set():
+    from jaxloop.data.datasets import make_eval_examples
+    from jaxloop.data.tasks import BuiltinTask, prompt_split
+    from jaxloop.sft import probe_examples
+
+    data = {"source": "builtin", "task": "reverse", "num_digits": 3, "seed": 0}
+    probe, kind = probe_examples(data, eval_prompts=64, seed=0, n=64)
+    reported = {ex.prompt for ex in make_eval_examples(data, 64)}
+    assert kind == "validation" and len(probe) == BuiltinTask("reverse", 3).num_eval_prompts - 64
+    assert all(prompt_split(ex.prompt) == "eval" and ex.prompt not in reported for ex in probe)
+    # reverse of 2 digits has 15 held-out prompts: none is left past 15 reported, so train ones
+    data = {**data, "num_digits": 2}
+    probe, kind = probe_examples(data, eval_prompts=15, seed=0, n=8)
+    assert kind == "train" and len(probe) == 8
+    assert all(prompt_split(ex.prompt) == "train" for ex in probe)
