@@ -850,6 +850,7 @@ ACCEPTS_ZERO = {
     "dist.num_processes",  # one, or detected
     "dist.process_id",
     "warm_start.sft_steps",  # no warm start
+    "warm_start.stop_at_reward",  # off: every warm-start step runs
 }
 # keys whose -1 means something: off, or (mesh) the remaining devices, (dist) detected
 ACCEPTS_MINUS_ONE = {
