@@ -54,6 +54,22 @@ GROUP_SECONDS = {
 }
 
 
+def _with_group_suffix(item, group: str) -> None:
+    """What xdist's loadgroup does to a node id ("<id>@<group>": its scheduler groups by the
+    suffix). xdist 3.8 writes `item._nodeid`, which pytest >= 9 no longer reads (the id lives in
+    `item._id`), so without this every test is a group of its own: two real-engine tests would run
+    at once and a module's fixtures would be set up on both workers."""
+    from _pytest.nodeid import NodeId
+
+    node = item._id
+    if not node.names or item.nodeid.endswith(f"@{group}"):
+        return
+    last = node.names[-1] + ("" if node.params is None else f"[{node.params}]")
+    # the params go into the last name, so the id reads "<path>::<name>[<params>]@<group>"
+    item._id = NodeId(path=node.path, names=(*node.names[:-1], f"{last}@{group}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the markers set here
 def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
@@ -63,5 +79,7 @@ def pytest_collection_modifyitems(config, items):
         group = "real-engines" if engines else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item] = group
+        if config.getoption("loadgroup", default=False):  # an xdist worker under loadgroup
+            _with_group_suffix(item, group)
     # stable: each module's tests keep their order
     items.sort(key=lambda item: -GROUP_SECONDS.get(groups[item], 0))
