@@ -83,6 +83,27 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return _read_lines(Path(run_dir) / METRICS_FILE)
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter. tensorboardX's import imports torch (seconds, at every trainer
+    start) only to name torch.Tensor in type hints; its conversions import torch lazily, and
+    jaxloop logs Python floats. So unless torch is loaded already (or another thread could be
+    importing it), tensorboardX is imported with `import torch` refused; afterwards torch
+    imports as usual."""
+    import threading
+
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    elif threading.active_count() > 1:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """`write(update, metrics)` appends {"update": update, **metrics} and logs TB scalars."""
 
@@ -96,9 +117,7 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(
+            self._tb = _summary_writer_class()(
                 logdir=str(self.run_dir / TB_DIR),
                 purge_step=self.start_update if self.start_update > 0 else None,
                 flush_secs=30,

@@ -32,10 +32,54 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache_dir, True))
 
 
+# Rough seconds per xdist group (from a full run's junit times): the groups are handed out longest
+# first (pyproject passes --no-loadscope-reorder, so xdist keeps this order), so the serial
+# real-engine group starts at once and the short modules fill in at the end. A group not listed
+# counts as short; the order only changes when tests run, not what they check.
+GROUP_SECONDS = {
+    "real-engines": 1100,
+    "tests.rl.test_learner": 360,
+    "tests.train.test_mesh": 300,
+    "tests.train.test_learning": 290,
+    "tests.train.test_resume": 250,
+    "tests.train.test_chaos": 230,
+    "tests.rl.test_loop_credit": 210,
+    "tests.rl.test_packing": 190,
+    "tests.train.test_cli": 170,
+    "tests.test_bad_inputs": 150,
+    "tests.train.test_sft_train": 110,
+    "tests.test_e2e_official": 110,
+    "tests.rollout.test_jax_sampler": 100,
+    "tests.train.test_early_exit_train": 80,
+}
+
+
+def _with_group_suffix(item, group: str) -> None:
+    """What xdist's loadgroup does to a node id ("<id>@<group>": its scheduler groups by the
+    suffix). xdist 3.8 writes `item._nodeid`, which pytest >= 9 no longer reads (the id lives in
+    `item._id`), so without this every test is a group of its own: two real-engine tests would run
+    at once and a module's fixtures would be set up on both workers."""
+    from _pytest.nodeid import NodeId
+
+    node = item._id
+    if not node.names or item.nodeid.endswith(f"@{group}"):
+        return
+    last = node.names[-1] + ("" if node.params is None else f"[{node.params}]")
+    # the params go into the last name, so the id reads "<path>::<name>[<params>]@<group>"
+    item._id = NodeId(path=node.path, names=(*node.names[:-1], f"{last}@{group}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the markers set here
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         engines = item.get_closest_marker("slow") and getattr(
             item.module, "USES_REAL_ENGINES", True
         )
         group = "real-engines" if engines else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+        if config.getoption("loadgroup", default=False):  # an xdist worker under loadgroup
+            _with_group_suffix(item, group)
+    # stable: each module's tests keep their order
+    items.sort(key=lambda item: -GROUP_SECONDS.get(groups[item], 0))

@@ -4,11 +4,12 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory):
-    """The environment for trainer subprocesses, with a persistent compilation cache shared by
-    every test of the session, so repeated runs of the same shapes do not recompile (results are
-    unaffected)."""
+def env():
+    """The environment for trainer subprocesses. It carries the session's persistent compilation
+    cache (tests/conftest.py: one directory for both xdist workers and every subprocess), caching
+    every program, so a run of shapes that any earlier test or worker compiled does not recompile
+    (results are the same executables)."""
     e = dict(os.environ)
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    assert e.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's cache"
     e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return e

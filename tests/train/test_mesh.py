@@ -4,6 +4,7 @@ saved on one mesh continues on another; parameters are really sharded; bad meshe
 errors."""
 
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -39,6 +40,24 @@ def one_device_env(env):
     e = dict(env)
     e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     return e
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, env, one_device_env):
+    """run(algorithm, mesh name or None for one device) -> (run_dir, rows) of the 2-update run:
+    each made once per module (the fsdp8 PPO run is both a mesh under test and the straight run
+    the moved checkpoints are compared with)."""
+    runs = {}
+
+    def run(algorithm, name):
+        if (algorithm, name) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"{algorithm}-{name or 'single'}")
+            mesh, target_env = (MESHES[name], env) if name else ((), one_device_env)
+            rows = run_train(run_dir, f"{algorithm}.py", *BASE, *mesh, env=target_env)
+            runs[algorithm, name] = run_dir, rows
+        return runs[algorithm, name]
+
+    return run
 
 
 def _export(run_dir, out, role="actor", step=None) -> dict[str, np.ndarray]:
@@ -80,14 +99,11 @@ def _roles(algorithm):
         ("flow_dppo", ("dp2-fsdp2-tp2",)),
     ],
 )
-def test_meshes_equal_one_device(tmp_path, algorithm, meshes, env, one_device_env):
-    single = tmp_path / "single"
-    rows = run_train(single, f"{algorithm}.py", *BASE, env=one_device_env)
+def test_meshes_equal_one_device(tmp_path, algorithm, meshes, straight_run):
+    single, rows = straight_run(algorithm, None)
     want = {role: _export(single, tmp_path / f"single-{role}", role) for role in _roles(algorithm)}
     for name in meshes:
-        mesh = MESHES[name]
-        run_dir = tmp_path / name
-        mesh_rows = run_train(run_dir, f"{algorithm}.py", *BASE, *mesh, env=env)
+        run_dir, mesh_rows = straight_run(algorithm, name)
         assert mesh_rows[0]["tokens_checksum"] == rows[0]["tokens_checksum"], name
         for role in _roles(algorithm):
             got = _export(run_dir, tmp_path / f"{name}-{role}", role)
@@ -98,22 +114,22 @@ def test_meshes_equal_one_device(tmp_path, algorithm, meshes, env, one_device_en
 
 
 @pytest.mark.parametrize("algorithm", ["ppo"])  # actor and critic (and their optimizer states)
-def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_env):
+def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_env, straight_run):
     """Saved on fsdp=8 after update 1; update 2 on data=2 x tensor=4 (and on one device) equals
     the run that never stopped."""
-    straight = tmp_path / "straight"
-    run_train(straight, f"{algorithm}.py", *BASE, *MESHES["fsdp8"], env=env)
+    straight, _ = straight_run(algorithm, "fsdp8")
     want = {
         role: _export(straight, tmp_path / f"straight-{role}", role) for role in _roles(algorithm)
     }
+    # the run stopped after update 1 on fsdp=8, once; each target resumes its own copy of it
+    stopped = tmp_path / "stopped"
+    run_train(stopped, f"{algorithm}.py", *BASE, *MESHES["fsdp8"], "--config.stop_after=1", env=env)
     for name, target_env, mesh in (
         ("dp2-tp4", env, MESHES["dp2-tp4"]),
         ("one-device", one_device_env, ()),
     ):
         moved = tmp_path / name
-        run_train(
-            moved, f"{algorithm}.py", *BASE, *MESHES["fsdp8"], "--config.stop_after=1", env=env
-        )
+        shutil.copytree(stopped, moved)
         rows = run_train(moved, f"{algorithm}.py", *BASE, *mesh, env=target_env)
         assert [r["update"] for r in rows] == [0, 1]
         for role in _roles(algorithm):
