@@ -78,7 +78,7 @@ SFT_RESUME_FREE = ("sft.steps", "rollout.max_new_tokens")
 SFT_RESUME_FIXED = ("data.max_prompt_tokens",)
 SFT_PROGRESS_KEYS = ("sft_loss", "sft_token_accuracy", "eval_accuracy")
 WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
-PROBE_SEED = 0x9B0  # the warm start's probe prompts: train-split prompts drawn apart from its data
+PROBE_SEED = 0x9B0  # the probe's train prompts (no validation left): apart from the SFT data
 
 
 def sft_optimizer(cfg, steps: int):
@@ -113,24 +113,21 @@ class SFTData:
         self.source.restore(state)
 
 
-def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> tuple[list, str]:
-    """What `warm_start.stop_at_reward` is measured on, and its name: up to `n` held-out
-    prompts past the `eval_prompts` that evaluation reports (a validation set: neither trained
-    on nor reported), or, where the held-out set has none left, `n` train-split prompts in
-    their own fixed order."""
+def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
+    """What `warm_start.stop_at_reward` is measured on: up to `n` held-out prompts past the
+    `eval_prompts` that evaluation reports (a validation set: neither trained on nor reported),
+    or, where the held-out set has none left, `n` train-split prompts in their own fixed order."""
     validation = make_eval_examples(data, eval_prompts + n)[eval_prompts:]
-    if validation:
-        return validation, "validation"
-    return make_source({**data, "seed": derive_seed(seed, PROBE_SEED)}).next_batch(n), "train"
+    return validation or make_source({**data, "seed": derive_seed(seed, PROBE_SEED)}).next_batch(n)
 
 
 def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
     """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
     `actor_params` (donated); with `warm_start.stop_at_reward > 0` it stops after the first step
-    whose greedy reward on `warm_start.probe_prompts` train prompts reaches that value, so the RL
-    run starts from a model that answers partly right, whatever the seed. Returns the
-    warm-started actor parameters and the metrics of the warm start (steps run, greedy eval
-    reward before and after it, the last probe reward and loss, seconds)."""
+    whose greedy reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
+    that value, so the RL run starts from a model that answers partly right, whatever the seed.
+    Returns the warm-started actor parameters and the metrics of the warm start (steps run,
+    greedy eval reward before and after it, the last probe reward and loss, seconds)."""
     ws = cfg.warm_start
     steps = ws.sft_steps
     mesh, shardings = training.mesh, training.shardings
@@ -155,9 +152,7 @@ def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
     data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
     probe = None
     if ws.stop_at_reward > 0:
-        probe, _ = probe_examples(
-            producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts
-        )
+        probe = probe_examples(producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
     started = time.perf_counter()
     config = training.actor_abstract.config
 

@@ -218,12 +218,12 @@ def test_warm_start_probe_is_a_validation_set():
     from jaxloop.sft import probe_examples
 
     data = {"source": "builtin", "task": "reverse", "num_digits": 3, "seed": 0}
-    probe, kind = probe_examples(data, eval_prompts=64, seed=0, n=64)
+    probe = probe_examples(data, eval_prompts=64, seed=0, n=64)
     reported = {ex.prompt for ex in make_eval_examples(data, 64)}
-    assert kind == "validation" and len(probe) == BuiltinTask("reverse", 3).num_eval_prompts - 64
+    assert len(probe) == BuiltinTask("reverse", 3).num_eval_prompts - 64
     assert all(prompt_split(ex.prompt) == "eval" and ex.prompt not in reported for ex in probe)
     # reverse of 2 digits has 15 held-out prompts: none is left past 15 reported, so train ones
     data = {**data, "num_digits": 2}
-    probe, kind = probe_examples(data, eval_prompts=15, seed=0, n=8)
-    assert kind == "train" and len(probe) == 8
+    probe = probe_examples(data, eval_prompts=15, seed=0, n=8)
+    assert len(probe) == 8
     assert all(prompt_split(ex.prompt) == "train" for ex in probe)
