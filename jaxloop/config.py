@@ -18,18 +18,15 @@ from typing import Any
 import ml_collections
 
 from jaxloop.data.tasks import DEFAULT_TASK
+from jaxloop.errors import UsageError, UserCodeError
+from jaxloop.models.loop_budget import (  # noqa: F401 - loop_budget_at re-exported until train/ moves
+    check_loop_budget,
+    loop_budget_at,
+    parse_loop_budget,
+)
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class UsageError(ValueError):
-    """Bad command line or config: reported as one line on stderr with exit code 2."""
-
-
-class UserCodeError(UsageError):
-    """User code (a config file, a reward function) failed or returned the wrong thing: one line
-    naming the file or function and the exception, exit code 2 (jaxloop/errors.py)."""
 
 
 # Engine vs trainer selected log-prob bound when rollout.max_logprob_diff is 0. The embedded
@@ -1106,49 +1103,6 @@ def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
         )
 
 
-def parse_loop_budget(spec: str) -> tuple[tuple[int, int], ...]:
-    """model.loop_budget "K@N,..." -> ((N, K), ...) in update order; "" -> () (full depth).
-    Each K >= 1, the first N is 0 and the N increase (UsageError otherwise)."""
-    spec = spec.strip()
-    if not spec:
-        return ()
-    schedule = []
-    for part in spec.split(","):
-        loops, at, start = part.strip().partition("@")
-        try:
-            item = (int(start), int(loops))
-        except ValueError:
-            item = None
-        if not at or item is None:
-            raise UsageError(f"model.loop_budget={spec!r}: {part.strip()!r} is not K@N (ints)")
-        schedule.append(item)
-    starts = [n for n, _ in schedule]
-    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
-        raise UsageError(f"model.loop_budget={spec!r}: the updates N must start at 0 and increase")
-    if any(k < 1 for _, k in schedule):
-        raise UsageError(f"model.loop_budget={spec!r}: every K must be >= 1")
-    return tuple(schedule)
-
-
-def check_loop_budget(schedule: tuple[tuple[int, int], ...], num_loops: int) -> None:
-    """Every K of the schedule within the model's 1..num_loops."""
-    for _, loops in schedule:
-        if loops > num_loops:
-            raise UsageError(
-                f"model.loop_budget: K={loops} exceeds the model's num_loops={num_loops}"
-            )
-
-
-def loop_budget_at(schedule: tuple[tuple[int, int], ...], update: int) -> int | None:
-    """The loops of `update` under the schedule (None: no schedule, full depth). A function of
-    the update number alone, so a resumed run continues the schedule where it stopped."""
-    loops = None
-    for start, k in schedule:
-        if update >= start:
-            loops = k
-    return loops
-
-
 LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
 
 
@@ -1171,12 +1125,6 @@ def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None
         raise UsageError(
             "algo.loop_credit=exit_pdf needs a model with an exit gate (Ouro); this model has none"
         )
-
-
-def engine_log_level(cfg) -> str:
-    """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
-    level = cfg.rollout.engine_log_level.upper()
-    return "INFO" if cfg.verbose and level != "DEBUG" else level
 
 
 def mesh_axis_sizes(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

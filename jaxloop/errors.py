@@ -21,8 +21,6 @@ import errno
 import sys
 from collections.abc import Callable
 
-from jaxloop.config import UsageError, UserCodeError
-
 __all__ = [
     "WRITE_ERRNOS",
     "UsageError",
@@ -32,19 +30,26 @@ __all__ = [
     "user_error_types",
 ]
 
+
+class UsageError(ValueError):
+    """Bad command line or config: reported as one line on stderr with exit code 2."""
+
+
+class UserCodeError(UsageError):
+    """User code (a config file, a reward function) failed or returned the wrong thing: one line
+    naming the file or function and the exception, exit code 2 (below)."""
+
+
 # OSError numbers of a write the file system refuses: a user error (exit 2), not a bug
 WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The documented user-error types (imported lazily: this module stays light)."""
-    from jaxloop.data.datasets import DataError
-    from jaxloop.data.tokenizer import TokenizerError
-    from jaxloop.families.common import ConfigError
     from jaxloop.models.hf_io import CheckpointError
     from jaxloop.models.orbax_io import RunDirError
 
-    return (UsageError, DataError, ConfigError, CheckpointError, RunDirError, TokenizerError)
+    return (UsageError, CheckpointError, RunDirError)
 
 
 def error_line(err: BaseException, prefix: str = "") -> str:

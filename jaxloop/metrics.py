@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxloop.config import UsageError
+from jaxloop.errors import UsageError
 from jaxloop.textfile import utf8_lines
 
 __all__ = [

@@ -18,12 +18,13 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxloop.data.tasks import DEFAULT_TASK, BuiltinTask
+from jaxloop.data.types import DataError, Example, PromptSource
 from jaxloop.textfile import utf8_lines
 
 __all__ = [
@@ -36,82 +37,6 @@ __all__ = [
     "make_eval_examples",
     "make_source",
 ]
-
-
-class DataError(ValueError):
-    """A data file is missing, empty or malformed, or a saved cursor does not fit the source."""
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    label: str
-
-
-class PromptSource:
-    """Base class: subclasses implement `__len__` and `_example(epoch, position)`."""
-
-    kind = "base"
-
-    def __init__(self, seed: int = 0):
-        self.seed = int(seed)
-        self.epoch = 0
-        self.position = 0
-
-    def __len__(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _example(self, epoch: int, position: int) -> Example:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def next_batch(self, n: int) -> list[Example]:
-        if n < 0:
-            raise ValueError(f"batch size must be >= 0, got {n}")
-        out = []
-        size = len(self)
-        for _ in range(n):
-            out.append(self._example(self.epoch, self.position))
-            self.position += 1
-            if self.position >= size:
-                self.epoch += 1
-                self.position = 0
-        return out
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "position": self.position,
-            "size": len(self),
-            **self._extra_state(),
-        }
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        try:
-            kind, seed = state["kind"], int(state["seed"])
-            epoch, position, size = int(state["epoch"]), int(state["position"]), int(state["size"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"bad data-source state {dict(state)!r}: {e}") from None
-        if kind != self.kind:
-            raise DataError(f"cannot restore a {kind!r} source state into a {self.kind!r} source")
-        if size != len(self):
-            raise DataError(
-                f"saved data-source state has size {size} but this {self.kind} source has "
-                f"{len(self)} examples; the data changed since the checkpoint"
-            )
-        for key, value in self._extra_state().items():
-            if state.get(key) != value:
-                raise DataError(
-                    f"saved data-source state has {key}={state.get(key)!r} but this source has "
-                    f"{value!r}; the data changed since the checkpoint"
-                )
-        if epoch < 0 or not 0 <= position < size:
-            raise DataError(f"bad data-source cursor epoch={epoch} position={position}")
-        self.seed, self.epoch, self.position = seed, epoch, position
 
 
 class BuiltinSource(PromptSource):
@@ -246,8 +171,6 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def make_source(cfg: Any) -> PromptSource:
     """`cfg` (dict-like): source ('builtin' or a file path), task, num_digits, seed."""
-    from jaxloop.data.tasks import DEFAULT_TASK, BuiltinTask
-
     source = str(_get(cfg, "source", "builtin"))
     seed = int(_get(cfg, "seed", 0))
     if source == "builtin":
@@ -263,8 +186,6 @@ def make_source(cfg: Any) -> PromptSource:
 def make_eval_examples(cfg: Any, n: int) -> list[Example]:
     """Held-out examples: the builtin task's eval split, or the first `n` rows of
     `cfg['eval_source']` for file sources (an empty list when there is none)."""
-    from jaxloop.data.tasks import DEFAULT_TASK, BuiltinTask
-
     eval_source = _get(cfg, "eval_source", None)
     if eval_source:
         return load_examples(eval_source)[:n]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxloop.data.datasets import Example
+from jaxloop.data.types import Example
 
 __all__ = [
     "DEFAULT_TASK",

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from jaxloop.errors import UsageError
+
 __all__ = [
     "CHAR_ALPHABET",
     "UNUSED_CHAR",
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UsageError):
     """A tokenizer cannot be built or cannot represent the given text / ids."""
 
 

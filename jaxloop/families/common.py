@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jaxloop.errors import UsageError
 
-class ConfigError(ValueError):
+
+class ConfigError(UsageError):
     """A model config asks for something jaxloop does not implement, or is malformed."""
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxloop.config import loop_budget_at
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.data.rewards import get_reward
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
+from jaxloop.models.loop_budget import loop_budget_at
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
@@ -48,7 +48,7 @@ class ProducerSettings:
     requires_groups: bool
     sampling: SamplingConfig
     # model.loop_budget parsed ((first update, K), ...); () = full depth. The loops of update u
-    # are a function of u alone (config.loop_budget_at), so a resume continues the schedule.
+    # are a function of u alone (models.loop_budget), so a resume continues the schedule.
     loop_budget: tuple[tuple[int, int], ...] = ()
 
 

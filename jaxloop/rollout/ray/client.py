@@ -21,7 +21,6 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
-from jaxloop.config import engine_log_level
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
 from jaxloop.rollout.publication import Manifest, iter_chunks, xor_encode
@@ -31,6 +30,13 @@ from jaxloop.rollout.staging import HostStaging
 from jaxloop.rollout.types import PublishStats, Sample
 
 logger = logging.getLogger(__name__)
+
+
+def engine_log_level(cfg) -> str:
+    """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
+    level = cfg.rollout.engine_log_level.upper()
+    return "INFO" if cfg.verbose and level != "DEBUG" else level
+
 
 # environment variables handed from the trainer process to the Ray actors
 _ENV_PREFIXES = ("JAX_", "XLA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
