@@ -17,6 +17,7 @@ from jaxloop.parallel import mesh as shd
 from jaxloop.train import Training, actor_config
 from jaxloop.train import main as train_main
 from tests.train.helpers import TINY, run_train
+from tests.xla_flags import TEST_XLA_FLAGS
 
 MESHES = {
     "dp2-fsdp2-tp2": ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"),
@@ -38,7 +39,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def one_device_env(env):
     e = dict(env)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {TEST_XLA_FLAGS}"
     return e
 
 
