@@ -1,5 +1,6 @@
-"""Every config key is described once (jaxloop/config.py DESCRIPTIONS), `--help` lists every key
-with its default and description, and the README names no key that does not exist."""
+"""Every config key is described once (its `knob` help in its layer's section,
+jaxloop/*/settings.py or jaxloop/config/schema.py), `--help` lists every key with its default and
+description, and the README names no key that does not exist."""
 
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ NOT_CONFIG_KEYS = {"model.norm"}  # Nanbeige's final-norm weight name
 def test_every_key_has_a_description_and_none_is_stale():
     missing = sorted(set(KEYS) - set(DESCRIPTIONS))
     stale = sorted(set(DESCRIPTIONS) - set(KEYS))
-    assert not missing, f"keys without a description in jaxloop/config.py DESCRIPTIONS: {missing}"
+    assert not missing, f"keys without a description (knob help): {missing}"
     assert not stale, f"DESCRIPTIONS of keys that do not exist: {stale}"
     assert all(text.strip() and "\n" not in text for text in DESCRIPTIONS.values())
     sections = {k.rsplit(".", 1)[0] if "." in k else "" for k in KEYS}

@@ -1,0 +1,60 @@
+"""The data section of the run's config (jaxloop.config composes the sections; each field's
+default, help, domain and resume policy are declared here, once)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxloop.data.tasks import DEFAULT_TASK
+from jaxloop.settings import FREE, Domain, count, knob, one_of
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """prompts, tokenizer and reward"""
+
+    source: str = knob(
+        "builtin",
+        "builtin (the built-in task) or a JSONL / Parquet file of {prompt, label}",
+        Domain(nonempty=True),
+    )
+    eval_source: str = knob(
+        "",
+        (
+            "a JSONL / Parquet file of held-out {prompt, label} to evaluate on; empty: the "
+            "built-in task's held-out split (a file data.source then has no evaluation)"
+        ),
+        resume=FREE,
+    )
+    task: str = knob(
+        DEFAULT_TASK,
+        (
+            "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10 | "
+            "reverse | sort | add (multi-token answers)"
+        ),
+        one_of(
+            "copy_last",
+            "copy_first",
+            "max_digit",
+            "min_digit",
+            "sum_mod10",
+            "reverse",
+            "sort",
+            "add",
+        ),
+    )
+    num_digits: int = knob(4, "built-in task: digits per prompt", count(1))
+    tokenizer: str = knob(
+        "char", "char (one token per character) or a local HF tokenizer dir", Domain(nonempty=True)
+    )
+    reward: str = knob(
+        "exact_match",
+        (
+            "exact_match | prefix_match | format (partial credit for a right prefix of the "
+            "answer) | math_verify | module:function"
+        ),
+        Domain(nonempty=True),
+    )
+    max_prompt_tokens: int = knob(
+        32, "longest allowed prompt in tokens (checked before training)", count(1), resume=FREE
+    )

@@ -1,0 +1,128 @@
+"""The rollout section of the run's config (jaxloop.config composes the sections; each field's
+default, help, domain and resume policy are declared here, once)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxloop.settings import FREE, NON_NEGATIVE, Domain, count, knob, one_of, positive
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """sampling engines (jax: embedded sampler; vllm: vLLM engine actors on Ray)"""
+
+    engine: str = knob(
+        "jax",
+        "jax (embedded KV-cache sampler) | vllm (vLLM engine actors on Ray)",
+        one_of("jax", "vllm"),
+        resume=FREE,
+    )
+    temperature: float = knob(
+        1.0, "sampling temperature (> 0); log-probs are of the tempered policy", positive()
+    )
+
+    # and 1 in training (validate)
+    top_p: float = knob(1.0, "nucleus sampling threshold (1: off)", positive(1))
+
+    # -1: off (and off in training: validate)
+    top_k: int = knob(-1, "top-k sampling (-1: off)", count(1, also=(-1,)))
+
+    # built-in task answers are one character
+    max_new_tokens: int = knob(1, "response length limit in tokens", count(1))
+
+    # early-exit rollouts (Ouro exit gate): each generated token stops at a loop chosen from the
+    # gate's exit distribution; 'none': every token runs every loop
+    early_exit: str = knob(
+        "none",
+        (
+            "Ouro (exit gate): none | threshold (a token exits at the first loop whose "
+            "cumulative exit probability reaches exit_threshold) | sample (at a loop drawn "
+            "from the gate's distribution); the prompt runs every loop, the trainer replays "
+            "the depths; vllm engines run eagerly without prefix caching then"
+        ),
+        one_of("none", "threshold", "sample"),
+    )
+    exit_threshold: float = knob(
+        0.5, "early_exit=threshold: cumulative exit probability in (0, 1]", positive(1)
+    )
+
+    # engine vs trainer selected log-prob bound; 0 = the default (default_logprob_diff)
+    max_logprob_diff: float = knob(
+        0.0,
+        (
+            "stop (exit 3) when engine and trainer log-probs differ by more; 0: 1e-3 (jax, "
+            "fp32) or 0.03 (vllm or bf16)"
+        ),
+        NON_NEGATIVE,
+        resume=FREE,
+    )
+    num_engines: int = knob(
+        1, "vllm: engine actors (one placement-group bundle each)", count(1), resume=FREE
+    )
+    ray_address: str = knob(
+        "", "vllm: join this Ray cluster (HOST:PORT); empty: start a local one", resume=FREE
+    )
+    publish_bucket_mb: int = knob(
+        64, "vllm: policy publication bucket size in MB", count(1), resume=FREE
+    )
+    transport: str = knob(
+        "object_store",
+        "vllm: publication transport object_store | disk",
+        one_of("object_store", "disk"),
+        resume=FREE,
+    )
+
+    # or 'delta': only the tensors that changed since the last version; 'delta_xor': those as
+    # compressed xor payloads over the last version (the trainer keeps one model copy on the host)
+    publish: str = knob(
+        "full",
+        (
+            "vllm: full | delta (send only the tensors whose bytes changed since the engines' "
+            "committed version; a refused delta is sent in full) | delta_xor (delta, each "
+            "changed tensor sent as zlib(new xor committed bytes) where that is smaller; the "
+            "trainer keeps the committed version's tensors: one more model copy in host "
+            "memory)"
+        ),
+        one_of("full", "delta", "delta_xor"),
+        resume=FREE,
+    )
+
+    # Ray engines: seconds an engine may take to answer its part of a generate call; one that does
+    # not is killed, restarted with the committed policy and its part regenerated (health checks:
+    # min(120, this))
+    engine_timeout_s: float = knob(
+        600.0,
+        (
+            "vllm: seconds an engine may take for its part of a generate call; past it, it is "
+            "restarted and its part regenerated"
+        ),
+        positive(),
+        resume=FREE,
+    )
+    publish_timeout_s: float = knob(
+        600.0,
+        (
+            "vllm: seconds an engine may take for its part of a policy publication; past it, "
+            "it is restarted with the committed policy and the publication resent"
+        ),
+        positive(),
+        resume=FREE,
+    )
+    engine_log_level: str = knob(
+        "WARNING",
+        "vllm: log level in the engine actors: DEBUG | INFO | WARNING | ERROR",
+        Domain(choices=("DEBUG", "INFO", "WARNING", "ERROR"), any_case=True),
+        resume=FREE,
+    )
+
+    # batches generated ahead by up to this many policy versions while the learner trains
+    # (0: synchronous; jaxloop/rollout/pipeline.py)
+    max_staleness: int = knob(
+        0,
+        (
+            "generate the batches of the next k updates while the learner trains (the batch of "
+            "update u comes from the policy of update u-k; 0: synchronous)"
+        ),
+        count(0),
+    )
