@@ -43,7 +43,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
     import numpy as np
 
-    from jaxloop.models.hf_io import hf_tensor_shapes, parse_size
+    from jaxloop.families import hf_tensor_shapes
+    from jaxloop.models.hf_io import parse_size
     from jaxloop.models.orbax_io import export_hf
 
     try:

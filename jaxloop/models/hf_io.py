@@ -29,9 +29,9 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxloop import safetensors_format as st
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import expected_hf_shape, hf_targets, iter_hf, writable_hf_view
 from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_hf
 from jaxloop.models.looped import LoopedLM
 from jaxloop.parallel.mesh import logical_to_spec
 
@@ -121,18 +121,6 @@ def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
     return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
 
 
-def hf_tensor_shapes(cfg: LoopedConfig, role: str = "actor") -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name and shape of a model, from shapes alone (no memory for weights)."""
-    model = abstract_model(cfg, role)
-    shapes = {}
-    for t in expand(hf_table(cfg, role), cfg):
-        shape = tuple(get_param(model, t.path).shape)
-        if t.layer is not None:
-            shape = shape[1:]
-        shapes[t.name] = hf_shape(t.layout, shape)
-    return shapes
-
-
 # ---- import
 READ_CHUNK_BYTES = 64 * 2**20  # source bytes read (and converted) at a time by load_hf
 _ALIGN = 4096  # host buffers aligned like this become CPU device arrays without a copy
@@ -194,7 +182,7 @@ def load_hf(
                     var = flat[t.path]
                     if t.path not in buffers:
                         buffers[t.path] = _aligned_empty(var.shape, np_dtype)
-                    _fill(f, file, entry, _hf_view(buffers[t.path], t))
+                    _fill(f, file, entry, writable_hf_view(buffers[t.path], t))
                     bar.update(entry.nbytes)
                     pending[t.path] -= 1
                     if pending[t.path] == 0:
@@ -221,7 +209,7 @@ def _plan_load(path: Path, dtype, compute_dtype, config_overrides: dict):
     model = abstract_model(cfg, role)
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
-    targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
+    targets = hf_targets(cfg, role)
     plan = _plan_reads(files, headers, targets, flat)
     missing = [n for n in targets if n not in {e.name for _, entries in plan for e, _ in entries}]
     if missing:
@@ -276,8 +264,7 @@ def _plan_reads(files: list[Path], headers: list, targets: dict, flat: dict) -> 
                 raise CheckpointError(f"tensor {e.name} appears twice ({file.name})")
             seen.add(e.name)
             t = targets[e.name]
-            full_shape = tuple(flat[t.path].shape)
-            want = hf_shape(t.layout, full_shape[1:] if t.layer is not None else full_shape)
+            want = expected_hf_shape(flat[t.path].shape, t)
             if e.shape != want:
                 raise CheckpointError(f"tensor {e.name} has shape {e.shape}, expected {want}")
             if not jnp.issubdtype(e.dtype, jnp.floating):
@@ -296,15 +283,6 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _hf_view(buffer: np.ndarray, t) -> np.ndarray:
-    """A writable view of the parameter slice that HF tensor `t` fills, in the HF tensor's shape
-    (layouts only transpose and reshape, so to_hf of a contiguous slice is a view of it)."""
-    view = to_hf(buffer[t.layer] if t.layer is not None else buffer, t.layout)
-    if not np.may_share_memory(view, buffer):
-        raise RuntimeError(f"layout {t.layout} of {t.name} gave a copy, not a view")
-    return view
 
 
 def _fill(f, file: Path, entry: _Entry, dest: np.ndarray) -> None:
@@ -414,7 +392,7 @@ def save_hf(
         path,
         model_hf_config(model),
         hf_tensor_shapes(model.config, model.role),
-        iter_hf_tensors(model, hf_table(model.config, model.role)),
+        iter_hf(model, model.config, model.role),
         dtype=dtype,
         max_shard_size=max_shard_size,
         tokenizer_dir=tokenizer_dir,

@@ -36,20 +36,19 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import hf_entries, hf_view
 from jaxloop.models import digests
 from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.families import hf_table
 from jaxloop.models.hf_io import (
     ROLE_KEY,
     abstract_model,
     copy_tokenizer_files,
     hf_config_dict,
-    hf_tensor_shapes,
     model_hf_config,
     progress_bar,
     write_hf,
 )
-from jaxloop.models.hf_mapping import expand, to_hf
 from jaxloop.models.looped import ROLES, LoopedLM
 from jaxloop.parallel.mesh import logical_to_spec
 
@@ -516,7 +515,7 @@ def export_hf(
 
     def tensors(mngr):
         held: tuple[tuple[str, ...] | None, np.ndarray | None] = (None, None)
-        for t in expand(hf_table(cfg, role), cfg):
+        for t in hf_entries(cfg, role):
             if held[0] != t.path:
                 large = held[1] is not None and held[1].nbytes >= 2**24
                 held = (None, None)  # drop the previous parameter before reading the next
@@ -527,7 +526,7 @@ def export_hf(
                 held = (t.path, param)
                 del param
             # no local keeps a view of the parameter: it must be freed when `held` moves on
-            yield t.name, _hf_tensor(held[1], t)
+            yield t.name, np.ascontiguousarray(hf_view(held[1], t))
 
     with (
         _open(ckpt, _params_registry(item, _read_limit(stored, budget_bytes))) as mngr,
@@ -547,11 +546,6 @@ def export_hf(
     if not verified:
         digests.warn_unverified(step, run_dir)
     return out, cfg
-
-
-def _hf_tensor(param: np.ndarray, t) -> np.ndarray:
-    """HF tensor `t` (a layer of, or all of) a parameter, contiguous."""
-    return np.ascontiguousarray(to_hf(param if t.layer is None else param[t.layer], t.layout))
 
 
 def _check_shapes(want: dict, stored: dict, item: str) -> None:

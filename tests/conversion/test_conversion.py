@@ -23,11 +23,11 @@ import pytest
 from flax import nnx
 
 from conversion import from_hf, to_hf
+from jaxloop.families import hf_tensor_shapes
 from jaxloop.models import LoopedConfig, LoopedLM, load_hf, save_hf, tiny_hf_config
 from jaxloop.models.hf_io import (
     INDEX_FILE,
     abstract_model,
-    hf_tensor_shapes,
     read_safetensors,
     write_safetensors,
 )

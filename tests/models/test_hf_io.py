@@ -21,10 +21,10 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from jaxloop import safetensors_format as st
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import iter_hf
 from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, save_hf, tiny_hf_config
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_io import CheckpointError, abstract_model, hf_tensor_shapes
-from jaxloop.models.hf_mapping import iter_hf_tensors
+from jaxloop.models.hf_io import CheckpointError, abstract_model
 from tests.models.helpers import FP32_REL_TOL, check_rel, random_ids
 from tests.models.torch_reference import (
     random_hf_tensors,
@@ -212,7 +212,7 @@ def test_streamed_shards_equal_whole_shard_writes(tmp_path, dtype):
     weight_map = json.loads((out / INDEX).read_text())["weight_map"]
     np_dtype = np.dtype(jnp.dtype(dtype))
     shards: dict[str, dict[str, np.ndarray]] = {}
-    for name, arr in iter_hf_tensors(model, hf_table(model.config, "actor")):
+    for name, arr in iter_hf(model, model.config, "actor"):
         shards.setdefault(weight_map[name], {})[name] = arr.astype(np_dtype)
     assert len(shards) >= 3
     for file, tensors in shards.items():
