@@ -271,7 +271,7 @@ class SFTRun:
         self.tx = sft_optimizer(cfg, cfg.sft.steps)
         self.shardings = state_shardings(
             self.mesh,
-            shd.param_shardings(self.actor_abstract, self.mesh),
+            shd.shardings_for(self.actor_abstract, self.mesh),
             abstract_params(self.actor_abstract),
             self.tx,
             None,

@@ -256,12 +256,10 @@ class Training:
             )
         self.shardings = state_shardings(
             mesh,
-            shd.param_shardings(self.actor_abstract, mesh),
+            shd.shardings_for(self.actor_abstract, mesh),
             abstract_params(self.actor_abstract),
             self.actor_tx,
-            None
-            if self.critic_abstract is None
-            else shd.param_shardings(self.critic_abstract, mesh),
+            None if self.critic_abstract is None else shd.shardings_for(self.critic_abstract, mesh),
             None if self.critic_abstract is None else abstract_params(self.critic_abstract),
             self.critic_tx,
             with_reference=uses_reference(cfg),

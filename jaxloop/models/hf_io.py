@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxloop import safetensors_format as st
@@ -33,7 +32,7 @@ from jaxloop.families import hf_tensor_shapes
 from jaxloop.io.hf import expected_hf_shape, hf_targets, iter_hf, writable_hf_view
 from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.looped import LoopedLM
-from jaxloop.parallel.mesh import logical_to_spec
+from jaxloop.parallel.mesh import shardings_for
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -152,9 +151,9 @@ def load_hf(
     Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor (all checked
     from the file headers before any tensor data is read); so does a tensor holding a NaN or an
     infinity (checked as its bytes are read, naming the first index).
-    mesh: every parameter goes straight onto NamedSharding(mesh, logical_to_spec(its
-    logical_axes)), built with jax.make_array_from_callback from its host buffer (each device
-    takes only its slices); default: the default device.
+    mesh: every parameter goes straight onto parallel.mesh.shardings_for(its variable), built
+    with jax.make_array_from_callback from its host buffer (each device takes only its slices);
+    default: the default device.
     progress: a bar over the bytes read, on stderr.
 
     Memory: each parameter has one host buffer, filled from the source files with plain reads of
@@ -345,8 +344,7 @@ def _place(buffer: np.ndarray, var, mesh: jax.sharding.Mesh | None) -> jax.Array
     Blocks, so that the buffer is free (or owned by the array) when this returns."""
     if mesh is None:
         return jax.device_put(buffer).block_until_ready()
-    axes = getattr(var, "logical_axes", None) or (None,) * buffer.ndim
-    sharding = NamedSharding(mesh, logical_to_spec(axes, buffer.shape, mesh))
+    sharding = shardings_for(var, mesh)
     return jax.make_array_from_callback(
         buffer.shape, sharding, lambda i: buffer[i]
     ).block_until_ready()

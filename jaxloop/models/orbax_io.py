@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from jaxloop.families import hf_tensor_shapes
 from jaxloop.io.hf import hf_entries, hf_view
@@ -50,7 +49,7 @@ from jaxloop.models.hf_io import (
     write_hf,
 )
 from jaxloop.models.looped import ROLES, LoopedLM
-from jaxloop.parallel.mesh import logical_to_spec
+from jaxloop.parallel.mesh import shardings_for
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
@@ -313,8 +312,8 @@ def restore_model(
 
     dtype: parameter dtype (None keeps the stored one; otherwise orbax casts while reading).
     compute_dtype defaults to the parameter dtype. sharding: where every parameter goes
-    (default: the first local device); or mesh: each parameter onto NamedSharding(mesh,
-    logical_to_spec(its logical_axes)), passed to orbax so that each device reads only its
+    (default: the first local device); or mesh: each parameter onto parallel.mesh.shardings_for
+    (its logical axes), passed to orbax so that each device reads only its
     slices (not both). budget_bytes: orbax's in-flight read budget within one parameter, raised
     to fit the largest one (parameters are restored one at a time whatever the budget).
     config_overrides go to LoopedConfig.replace (remat, attention_impl...). progress: a bar over
@@ -336,7 +335,7 @@ def restore_model(
     shapes = nnx.to_pure_dict(params)
     _check_shapes(shapes, stored, item)
     if mesh is not None:
-        shardings = _mesh_shardings(params, mesh)
+        shardings = nnx.to_pure_dict(shardings_for(params, mesh))
     else:
         one = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: one, shapes)
@@ -426,18 +425,6 @@ def _params_registry(item: str, budget_bytes: int):
     handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=budget_bytes / 10**9)
     registry.add(item, ocp.args.PyTreeRestore, handler)
     return registry
-
-
-def _mesh_shardings(params: nnx.State, mesh: jax.sharding.Mesh) -> dict:
-    """A pure dict of NamedShardings from each abstract parameter's logical axes."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(params):
-        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh))
-    return out
 
 
 def _restore_one(mngr, step: int, item: str, path, x: jax.ShapeDtypeStruct) -> jax.Array:
