@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxloop.io.hf import fill_from_hf
+from jaxloop.mathutil import round_up
 from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
@@ -306,7 +307,7 @@ class JaxSamplerEngine:
         n = len(requests)
         longest = max(len(r.prompt_ids) for r in requests)
         prompt_len = _bucket(longest, self.min_prompt_bucket)
-        batch = -(-n // self.batch_multiple) * self.batch_multiple
+        batch = round_up(n, self.batch_multiple)
         ids = np.zeros((batch, prompt_len), np.int32)
         mask = np.zeros((batch, prompt_len), np.bool_)
         seeds = np.zeros((batch,), np.uint32)

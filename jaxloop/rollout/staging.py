@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxloop.families.tables import HFTensor
 from jaxloop.io.hf import expected_hf_shape, hf_entries, hf_view
+from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.publication import _tensor_sha256  # the digest tensor_hashes uses
 
@@ -63,10 +64,6 @@ class _Slot:
     @property
     def name(self) -> str:
         return self.entry.name
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 _CAST_EXACT: dict[tuple[str, str, str], bool] = {}
@@ -169,7 +166,7 @@ class HostStaging:
             if not buckets or (buckets[-1] and size + nbytes > self.bucket_bytes):
                 buckets.append([])
                 size = 0
-            offset = _round_up(size, _ALIGN)
+            offset = round_up(size, _ALIGN)
             buckets[-1].append(_Slot(t, shape, source, dtype, offset, nbytes))
             size = offset + nbytes
         return buckets

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from jaxloop.config import engine_log_level
+from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
 from jaxloop.rollout.publication import Manifest, iter_chunks, xor_encode
@@ -42,10 +43,6 @@ def _actor_env() -> dict[str, str]:
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def retained_copies(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -271,7 +268,7 @@ class RayRolloutClient:
             model_dir=str(model_dir),
             dtype=m.compute_dtype,
             seed=int(cfg.seed),
-            max_model_len=min(limit, _round_up(need, 32)),
+            max_model_len=min(limit, round_up(need, 32)),
             llm_kwargs=llm_kwargs,
             log_level=self.log_level,
         )
