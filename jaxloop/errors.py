@@ -41,8 +41,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from jaxloop.data.datasets import DataError
     from jaxloop.data.tokenizer import TokenizerError
     from jaxloop.families.common import ConfigError
-    from jaxloop.models.hf_io import CheckpointError
-    from jaxloop.models.orbax_io import RunDirError
+    from jaxloop.io.hf import CheckpointError
+    from jaxloop.io.orbax import RunDirError
 
     return (UsageError, DataError, ConfigError, CheckpointError, RunDirError, TokenizerError)
 

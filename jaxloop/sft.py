@@ -31,9 +31,9 @@ from flax import nnx
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
+from jaxloop.io.hf import abstract_model
+from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
-from jaxloop.models.hf_io import abstract_model
-from jaxloop.models.orbax_io import RunDirError, write_text_atomic
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.learner import make_optimizer, metrics_to_host

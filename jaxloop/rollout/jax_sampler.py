@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxloop.io.hf import fill_from_hf
+from jaxloop.io.hf_walk import fill_from_hf
 from jaxloop.mathutil import round_up
 from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project

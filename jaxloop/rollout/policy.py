@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxloop.io.hf import iter_hf
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.rollout.api import Policy
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxloop.families.tables import HFTensor
-from jaxloop.io.hf import expected_hf_shape, hf_entries, hf_view
+from jaxloop.io.hf_walk import expected_hf_shape, hf_entries, hf_view
 from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.publication import _tensor_sha256  # the digest tensor_hashes uses

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.io.hf import iter_hf
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM
 from tests.models.helpers import FP32_REL_TOL, check_rel
 

@@ -12,9 +12,9 @@ import pytest
 
 from jaxloop import families
 from jaxloop.families.tables import expand
-from jaxloop.io.hf import expected_hf_shape, hf_entries
+from jaxloop.io.hf import abstract_model
+from jaxloop.io.hf_walk import expected_hf_shape, hf_entries
 from jaxloop.models import LoopedConfig
-from jaxloop.models.hf_io import abstract_model
 
 
 def test_families_import_without_jax_or_torch():

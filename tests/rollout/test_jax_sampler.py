@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.io.hf import iter_hf
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch

@@ -4,7 +4,7 @@ for both families; an engine's dtype is applied."""
 import pytest
 from flax import nnx
 
-from jaxloop.io.hf import iter_hf
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.policy import hf_tensors

@@ -20,8 +20,9 @@ import pytest
 from flax import nnx
 
 from jaxloop.families import hf_tensor_shapes
-from jaxloop.io.hf import iter_hf
-from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
+from jaxloop.io.hf import save_hf
+from jaxloop.io.hf_walk import iter_hf
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, make_chunks
 from jaxloop.rollout.types import PromptRequest, SamplingConfig

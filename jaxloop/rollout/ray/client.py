@@ -242,7 +242,7 @@ class RayRolloutClient:
                 log_level=self.log_level,
             )
             return spec, {"CPU": 1.0}
-        from jaxloop.models import save_hf
+        from jaxloop.io.hf import save_hf
 
         start = time.perf_counter()
         model_dir = save_hf(actor_model, self._tmp / "model", dtype="float32")

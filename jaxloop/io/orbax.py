@@ -36,10 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxloop.families import hf_tensor_shapes
-from jaxloop.io.hf import hf_entries, hf_view
-from jaxloop.models import digests
-from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.hf_io import (
+from jaxloop.io.hf import (
     ROLE_KEY,
     abstract_model,
     copy_tokenizer_files,
@@ -48,6 +45,9 @@ from jaxloop.models.hf_io import (
     progress_bar,
     write_hf,
 )
+from jaxloop.io.hf_walk import hf_entries, hf_view
+from jaxloop.models import digests
+from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.looped import ROLES, LoopedLM
 from jaxloop.parallel.mesh import shardings_for
 
@@ -110,7 +110,7 @@ def save_model(
 ) -> Path:
     """Write `{role}_config.json` and the `{role}_params` item at `step` (a new step).
 
-    tokenizer_dir: a directory whose tokenizer files (hf_io.TOKENIZER_FILES) are copied into
+    tokenizer_dir: a directory whose tokenizer files (io.hf.TOKENIZER_FILES) are copied into
     run_dir/tokenizer/ (not created when it holds none).
     donate: move the parameters to host memory one at a time, deleting each device array, and
     write them without orbax's defensive host copy: peak memory is the model plus one parameter
