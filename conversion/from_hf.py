@@ -40,9 +40,8 @@ def _main(argv: Sequence[str] | None) -> int:
     out: Path = args.out.resolve()
     check_out_dir(out)
 
-    from jaxloop.models import load_hf
-    from jaxloop.models.hf_io import count_params
-    from jaxloop.models.orbax_io import save_model
+    from jaxloop.io.hf import count_params, load_hf
+    from jaxloop.io.orbax import save_model
 
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)

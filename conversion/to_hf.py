@@ -7,7 +7,7 @@
 Tokenizer files in CKPT/tokenizer/ are copied. Parameters are restored to host memory one at a
 time and each one's tensors are streamed to their shard file before the next is read: peak RAM is
 about twice the largest parameter plus the interpreter, whatever the model's size (no model is
-built: jaxloop.models.orbax_io.export_hf).
+built: jaxloop.io.orbax.export_hf).
 The step's actor_params (or critic_params) are verified against its digests first: a damaged
 step is refused naming the file and the newest older step that verifies (`--step`); a step
 without digests is read unverified, with a warning. Progress bars when stderr is a terminal.
@@ -43,8 +43,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
     import numpy as np
 
-    from jaxloop.models.hf_io import hf_tensor_shapes, parse_size
-    from jaxloop.models.orbax_io import export_hf
+    from jaxloop.families import hf_tensor_shapes
+    from jaxloop.io.hf import parse_size
+    from jaxloop.io.orbax import export_hf
 
     try:
         shard_bytes = parse_size(args.max_shard_size)

@@ -1,6 +1,6 @@
 """Training checkpoints of the TrainState, via orbax, sharded.
 
-Layout of a run dir (shared with `conversion.from_hf` / `to_hf`, see models/orbax_io.py):
+Layout of a run dir (shared with `conversion.from_hf` / `to_hf`, see io/orbax.py):
   checkpoints/<step>/{actor_params, actor_opt, critic_params, critic_opt, ref_params, train_state}
   actor_config.json, critic_config.json, tokenizer/
 <step> = number of finished updates. Orbax writes each step into a temporary directory and
@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxloop.io.orbax import CHECKPOINT_DIR, check_step, params_item, write_config
 from jaxloop.models import digests
-from jaxloop.models.orbax_io import CHECKPOINT_DIR, check_step, params_item, write_config
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.state import TrainState
 

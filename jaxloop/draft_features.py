@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxloop.models.hf_io import write_safetensors
+from jaxloop.io.hf import write_safetensors
 
 FEATURES_DIR = "draft_features"
 

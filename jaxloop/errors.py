@@ -46,8 +46,8 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The documented user-error types (imported lazily: this module stays light)."""
-    from jaxloop.models.hf_io import CheckpointError
-    from jaxloop.models.orbax_io import RunDirError
+    from jaxloop.io.hf import CheckpointError
+    from jaxloop.io.orbax import RunDirError
 
     return (UsageError, CheckpointError, RunDirError)
 

@@ -149,7 +149,7 @@ def pass_at_k(correct: np.ndarray, k: int) -> float:
 def evaluate_run(args: argparse.Namespace) -> dict:
     from flax import nnx
 
-    from jaxloop.models.orbax_io import restore_model
+    from jaxloop.io.orbax import restore_model
     from jaxloop.rollout.api import Policy
     from jaxloop.rollout.jax_sampler import JaxSamplerEngine
     from jaxloop.rollout.producer import RolloutProducer

@@ -31,9 +31,9 @@ from flax import nnx
 from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
+from jaxloop.io.hf import abstract_model
+from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
-from jaxloop.models.hf_io import abstract_model
-from jaxloop.models.orbax_io import RunDirError, write_text_atomic
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.learner import make_optimizer, metrics_to_host
@@ -271,7 +271,7 @@ class SFTRun:
         self.tx = sft_optimizer(cfg, cfg.sft.steps)
         self.shardings = state_shardings(
             self.mesh,
-            shd.param_shardings(self.actor_abstract, self.mesh),
+            shd.shardings_for(self.actor_abstract, self.mesh),
             abstract_params(self.actor_abstract),
             self.tx,
             None,

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 
 from jaxloop.checkpoint import TRAIN_STATE
+from jaxloop.io.orbax import CHECKPOINT_DIR
 from jaxloop.metrics import METRICS_FILE, TB_DIR, read_metrics
-from jaxloop.models.orbax_io import CHECKPOINT_DIR
 
 LAST_N = 10
 

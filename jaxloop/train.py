@@ -34,11 +34,8 @@ from jaxloop.config import (
 from jaxloop.data.datasets import DataError
 from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.draft_features import DraftFeatureWriter, config_digest
-from jaxloop.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
-from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, tiny_hf_config
-from jaxloop.models.digests import warn_unverified
-from jaxloop.models.hf_io import abstract_model, read_hf_config
-from jaxloop.models.orbax_io import (
+from jaxloop.io.hf import abstract_model, load_hf, read_hf_config
+from jaxloop.io.orbax import (
     RunDirError,
     check_step,
     older_step_offer,
@@ -46,6 +43,9 @@ from jaxloop.models.orbax_io import (
     restore_model,
     write_text_atomic,
 )
+from jaxloop.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
+from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, tiny_hf_config
+from jaxloop.models.digests import warn_unverified
 from jaxloop.models.presets import FULL_SIZE
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
@@ -256,12 +256,10 @@ class Training:
             )
         self.shardings = state_shardings(
             mesh,
-            shd.param_shardings(self.actor_abstract, mesh),
+            shd.shardings_for(self.actor_abstract, mesh),
             abstract_params(self.actor_abstract),
             self.actor_tx,
-            None
-            if self.critic_abstract is None
-            else shd.param_shardings(self.critic_abstract, mesh),
+            None if self.critic_abstract is None else shd.shardings_for(self.critic_abstract, mesh),
             None if self.critic_abstract is None else abstract_params(self.critic_abstract),
             self.critic_tx,
             with_reference=uses_reference(cfg),
@@ -790,7 +788,7 @@ def preflight(cfg):
     shapes, dtypes; headers only); the data source, the tokenizer (its vocabulary must fit the
     model's), the reward (it must return a number) and every prompt's length. Returns the
     algorithm."""
-    from jaxloop.models.hf_io import check_hf_dir
+    from jaxloop.io.hf import check_hf_dir
 
     algo = get_algorithm(cfg.algorithm)
     try:
@@ -939,7 +937,7 @@ def check_resume(cfg, run_dir: Path, training: Training) -> None:
     shapes, or is incomplete. Reads only; without a checkpoint nothing is checked (the run starts
     afresh)."""
     from jaxloop.checkpoint import ARRAY_ITEMS, TRAIN_STATE
-    from jaxloop.models.orbax_io import CHECKPOINT_DIR
+    from jaxloop.io.orbax import CHECKPOINT_DIR
 
     steps = checkpoint_steps(run_dir)
     if not steps:

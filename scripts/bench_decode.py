@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config  # noqa: E402
+from jaxloop.io.hf import save_hf  # noqa: E402
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config  # noqa: E402
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine  # noqa: E402
 from jaxloop.rollout.types import PromptRequest, SamplingConfig  # noqa: E402
 
@@ -165,7 +166,7 @@ def _build_engine(kind: str, model_dir: str, prompts: list[list[int]], args: dic
         PromptRequest(tuple(p), seed=i, group_id=i, sample_index=i) for i, p in enumerate(prompts)
     ]
     if kind == "jaxloop":
-        from jaxloop.models import load_hf
+        from jaxloop.io.hf import load_hf
 
         model = load_hf(model_dir, dtype="float32")
         engine = JaxSamplerEngine(model, min_prompt_bucket=len(prompts[0]))

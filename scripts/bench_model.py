@@ -169,7 +169,7 @@ def run(args) -> dict:
     context = contextlib.nullcontext()
     if args.path == "sharded":
         mesh = shd.make_mesh(fsdp=-1)
-        params = jax.device_put(params, shd.state_shardings(params, mesh))
+        params = jax.device_put(params, shd.shardings_for(params, mesh))
         ids = jax.device_put(ids, shd.batch_sharding(mesh))
         context = jax.set_mesh(mesh)
     with context:

@@ -27,8 +27,8 @@ import jax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jaxloop.families import hf_tensor_shapes  # noqa: E402
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config  # noqa: E402
-from jaxloop.models.hf_io import hf_tensor_shapes  # noqa: E402
 from jaxloop.rollout.api import Policy  # noqa: E402
 from jaxloop.rollout.policy import hf_tensors  # noqa: E402
 from jaxloop.rollout.publication import (  # noqa: E402

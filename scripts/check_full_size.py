@@ -179,7 +179,7 @@ def load_and_forward(hf: Path, tokens: int) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxloop.models import load_hf
+    from jaxloop.io.hf import load_hf
 
     t0 = time.perf_counter()
     model = load_hf(hf, dtype="bfloat16")

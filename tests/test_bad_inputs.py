@@ -35,8 +35,8 @@ import pytest
 from flax import nnx
 
 from jaxloop.config import DOMAINS, base_config, flat_items, validate
-from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
-from jaxloop.models.hf_io import read_safetensors, write_safetensors
+from jaxloop.io.hf import read_safetensors, save_hf, write_safetensors
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.train import main, resume_changes_math
 from tests.train.helpers import TINY
 

@@ -31,10 +31,10 @@ import pytest
 from conversion import from_hf, to_hf
 from jaxloop.evaluate import main as evaluate_main
 from jaxloop.families.common import NUMERIC_FIELDS, REQUIRED_FIELDS
+from jaxloop.io.hf import read_safetensors, write_safetensors
 from jaxloop.launch import main as launch_main
 from jaxloop.models import LoopedConfig, tiny_hf_config
 from jaxloop.models.digests import DIGEST_FILE, TRASH_DIR, verify_step
-from jaxloop.models.hf_io import read_safetensors, write_safetensors
 from jaxloop.plot import main as plot_main
 from jaxloop.train import main as train_main
 from tests.test_bad_inputs import (
@@ -554,7 +554,8 @@ def test_configs_are_written_atomically(tmp_path, monkeypatch):
     new file, never half of one."""
     from flax import nnx
 
-    from jaxloop.models import LoopedLM, orbax_io
+    from jaxloop.io import orbax as orbax_io
+    from jaxloop.models import LoopedLM
 
     model = LoopedLM(LoopedConfig.from_hf_dict(tiny_hf_config()), rngs=nnx.Rngs(0))
     (tmp_path / "actor_config.json").write_text("old")
@@ -569,7 +570,7 @@ def test_configs_are_written_atomically(tmp_path, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch, converted):
     """The boundary passes user errors only: any other exception propagates (exit code 1)."""
-    import jaxloop.models.orbax_io as orbax_io
+    import jaxloop.io.orbax as orbax_io
 
     def boom(*args, **kwargs):
         raise ZeroDivisionError("a bug")

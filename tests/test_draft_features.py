@@ -9,8 +9,8 @@ import optax
 from flax import nnx
 
 from jaxloop.draft_features import DraftFeatureWriter
+from jaxloop.io.hf import read_safetensors
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.models.hf_io import read_safetensors
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import Learner, LearnerConfig

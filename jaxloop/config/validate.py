@@ -12,6 +12,7 @@ import ml_collections
 from jaxloop.config.schema import DOMAINS, base_config, flat_items
 from jaxloop.errors import UsageError
 from jaxloop.models.loop_budget import check_loop_budget, parse_loop_budget
+from jaxloop.parallel.mesh import resolve_axis_sizes
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 
@@ -253,24 +254,10 @@ def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None
 
 def mesh_axis_sizes(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """The mesh section resolved against the device count (-1 takes the remaining devices)."""
-    sizes = {axis: int(cfg.mesh[axis]) for axis in ("data", "fsdp", "tensor")}
-    free = [axis for axis, size in sizes.items() if size == -1]
-    if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
-        raise UsageError(f"mesh {sizes}: each axis is >= 1, and at most one may be -1")
-    known = 1
-    for size in sizes.values():
-        known *= size if size != -1 else 1
-    if free:
-        if num_devices % known:
-            raise UsageError(f"mesh {sizes} does not divide {num_devices} devices")
-        sizes[free[0]] = num_devices // known
-    total = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
-    if total != num_devices:
-        raise UsageError(
-            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
-            f"{total} devices, but {num_devices} are available"
-        )
-    return sizes
+    try:
+        return resolve_axis_sizes(cfg.mesh, num_devices)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config) -> dict:

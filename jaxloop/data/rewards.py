@@ -22,20 +22,16 @@ import inspect
 import threading
 from collections.abc import Callable
 
+from jaxloop.registry import Registry
+
 __all__ = ["REWARDS", "RewardFn", "get_reward", "register_reward"]
 
 RewardFn = Callable[[str, str], float]
-REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in REWARDS and REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+    return REWARDS.register(name)
 
 
 def get_reward(name: str) -> RewardFn:

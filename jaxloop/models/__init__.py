@@ -1,7 +1,6 @@
-"""The looped decoder, its family configs and HF conversion."""
+"""The looped decoder and its config (HF files are read and written by jaxloop.io)."""
 
 from jaxloop.models.config import ConfigError, LoopedConfig, tiny_hf_config
-from jaxloop.models.hf_io import load_hf, save_hf
 from jaxloop.models.kv_cache import KVCache, init_cache
 from jaxloop.models.looped import LoopedLM, ModelOutput
 
@@ -12,7 +11,5 @@ __all__ = [
     "LoopedLM",
     "ModelOutput",
     "init_cache",
-    "load_hf",
-    "save_hf",
     "tiny_hf_config",
 ]

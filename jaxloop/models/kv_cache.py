@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxloop.mathutil import ceil_div
 from jaxloop.models.config import LoopedConfig
 
 
@@ -39,12 +40,8 @@ def read_lengths(max_length: int) -> tuple[int, ...]:
     quarter of the cache at a time, rounded up to 8, for caches of 32 slots and more."""
     if max_length < 32:
         return (max_length,)
-    quarters = {min(max_length, _ceil_div(max_length * i, 4 * 8) * 8) for i in (1, 2, 3)}
+    quarters = {min(max_length, ceil_div(max_length * i, 4 * 8) * 8) for i in (1, 2, 3)}
     return (*sorted(quarters - {max_length}), max_length)
-
-
-def _ceil_div(n: int, d: int) -> int:
-    return -(-n // d)
 
 
 def read_length_for(max_length: int, filled: int) -> int:

@@ -11,7 +11,7 @@ sizes) stays replicated over it, as vLLM and MaxText do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -38,24 +38,39 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh; one axis may be -1 to take the remaining devices."""
-    devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError("at most one mesh axis may be -1")
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not divide into mesh {sizes}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    total = int(np.prod(sizes))
-    if total > len(devices):
+def resolve_axis_sizes(
+    sizes: Mapping[str, int], num_devices: int, *, use_all: bool = True
+) -> dict[str, int]:
+    """The ('data', 'fsdp', 'tensor') sizes with the one -1 axis (if any) resolved to take the
+    devices the others leave. use_all: the product must be exactly `num_devices` (else at most
+    that). Raises ValueError with a one-line message naming the sizes."""
+    sizes = {axis: int(sizes[axis]) for axis in MESH_AXES}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
+        raise ValueError(f"mesh {sizes}: each axis is >= 1, and at most one may be -1")
+    known = int(np.prod([size for size in sizes.values() if size != -1]))
+    if free:
+        if num_devices % known:
+            raise ValueError(f"mesh {sizes} does not divide {num_devices} devices")
+        sizes[free[0]] = num_devices // known
+    total = int(np.prod(list(sizes.values())))
+    if total > num_devices or (use_all and total != num_devices):
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {total} devices, "
-            f"have {len(devices)}"
+            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"{total} devices, but {num_devices} are available"
         )
-    return Mesh(np.array(devices[:total]).reshape(sizes), MESH_AXES)
+    return sizes
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over the first devices; one axis may be -1 to take the
+    remaining devices (resolve_axis_sizes)."""
+    devices = list(devices if devices is not None else jax.devices())
+    wanted = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    sizes = resolve_axis_sizes(wanted, len(devices), use_all=False)
+    total = int(np.prod(list(sizes.values())))
+    shape = [sizes[axis] for axis in MESH_AXES]
+    return Mesh(np.array(devices[:total]).reshape(shape), MESH_AXES)
 
 
 def logical_to_spec(
@@ -85,20 +100,35 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedShardings for every variable of an NNX state (parameters use their logical axes)."""
+def shardings_for(abstract, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedShardings from the logical axes of every variable of `abstract` (which may be
+    abstract: `nnx.eval_shape`); a variable without logical axes is replicated.
 
-    def one(var):
-        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
-        return NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh, rules))
+    - an nnx.Module: a pure dict, the layout of `nnx.to_pure_dict(nnx.state(module))` (how the
+      train state and orbax items hold parameters);
+    - an nnx.State: the same State with a NamedSharding in place of each variable;
+    - one nnx.Variable: its NamedSharding.
+    """
+    if isinstance(abstract, nnx.Variable):
+        return _variable_sharding(abstract, mesh, rules)
+    if isinstance(abstract, nnx.Module):
+        return nnx.to_pure_dict(shardings_for(nnx.state(abstract), mesh, rules))
+    return jax.tree.map(
+        lambda var: _variable_sharding(var, mesh, rules),
+        abstract,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+def _variable_sharding(var, mesh: Mesh, rules) -> NamedSharding:
+    axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
+    return NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh, rules))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
     """Place a model's parameters on the mesh according to their logical axes (in place)."""
     state = nnx.state(model)
-    shardings = state_shardings(state, mesh, rules)
+    shardings = shardings_for(state, mesh, rules)
     sharded = jax.tree.map(
         lambda var, s: var.replace(jax.device_put(var[...], s)),
         state,
@@ -125,20 +155,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> 
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh, rules))
-
-
-# ---- pure-dict parameter trees (the train state) ----
-def param_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
-    """A pure dict (the layout of `nnx.state(model).to_pure_dict()`) of NamedShardings from each
-    variable's logical axes; `model` may be abstract (`nnx.eval_shape`)."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh, rules))
-    return out
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

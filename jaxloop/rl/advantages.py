@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxloop.registry import Registry
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageHParams",
@@ -34,19 +36,12 @@ __all__ = [
     "token_level_rewards",
 ]
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
 
 
 def register_advantage(name: str) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` in ``ADVANTAGE_ESTIMATORS`` under ``name``."""
-
-    def deco(fn: Callable) -> Callable:
-        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 # --------------------------------------------------------------------------- masked statistics

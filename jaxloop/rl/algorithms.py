@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxloop.registry import Registry
 from jaxloop.rl.advantages import ADVANTAGE_ESTIMATORS
 from jaxloop.rl.losses import POLICY_LOSSES
 
@@ -31,16 +32,15 @@ class Algorithm:
     requires_groups: bool
 
     def __post_init__(self):
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {self.policy_loss!r}")
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {self.advantage!r}")
+        POLICY_LOSSES.get(self.policy_loss)  # ValueError naming the registered ones
+        ADVANTAGE_ESTIMATORS.get(self.advantage)
         if self.default_updates_per_rollout < 1:
             raise ValueError("default_updates_per_rollout must be >= 1")
 
 
-ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm(
+ALGORITHMS: Registry[Algorithm] = Registry("algorithm")
+for _algorithm in (
+    Algorithm(
         name="ppo",
         policy_loss="ppo",
         advantage="gae",
@@ -50,7 +50,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         default_updates_per_rollout=1,
         requires_groups=False,
     ),
-    "grpo": Algorithm(
+    Algorithm(
         name="grpo",
         policy_loss="grpo",
         advantage="grpo",
@@ -60,7 +60,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         default_updates_per_rollout=1,
         requires_groups=True,
     ),
-    "dppo": Algorithm(
+    Algorithm(
         name="dppo",
         policy_loss="decoupled_ppo",
         advantage="gae",
@@ -70,7 +70,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         default_updates_per_rollout=1,
         requires_groups=False,
     ),
-    "flow_dppo": Algorithm(
+    Algorithm(
         name="flow_dppo",
         policy_loss="flow_dppo",
         advantage="gae",
@@ -80,14 +80,11 @@ ALGORITHMS: dict[str, Algorithm] = {
         default_updates_per_rollout=2,
         requires_groups=False,
     ),
-}
+):
+    ALGORITHMS.add(_algorithm.name, _algorithm)
+del _algorithm
 
 
 def get_algorithm(name: str) -> Algorithm:
     """The ``Algorithm`` registered as ``name``; ValueError listing the valid names otherwise."""
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown algorithm {name!r}; valid algorithms: {sorted(ALGORITHMS)}"
-        ) from None
+    return ALGORITHMS.get(name)

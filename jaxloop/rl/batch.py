@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxloop.mathutil import round_up
+
 BATCH_FIELDS = (
     "tokens",
     "attention_mask",
@@ -32,10 +34,6 @@ BATCH_FIELDS = (
 )
 OPTIONAL_FIELDS = ("depths", "exit_mask", "loop_behav_logprobs")
 HOST_FIELDS = ("loop_behav_logprobs",)  # read by the trainer's checks, not by the learner
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass

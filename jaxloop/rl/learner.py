@@ -28,11 +28,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxloop.config import LOOP_CREDITS
+from jaxloop.mathutil import round_up
 from jaxloop.models.looped import project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl import advantages as adv_lib
 from jaxloop.rl.algorithms import Algorithm
-from jaxloop.rl.batch import round_up
 from jaxloop.rl.losses import (
     POLICY_LOSSES,
     LossHParams,

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxloop.registry import Registry
+
 __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
@@ -132,19 +134,12 @@ class LossHParams:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
-POLICY_LOSSES: dict[str, Callable] = {}
+POLICY_LOSSES: Registry[Callable] = Registry("policy loss", "policy losses")
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn(inputs, hp) -> (per_token_loss, metrics)`` under ``name``."""
-
-    def deco(fn: Callable) -> Callable:
-        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return POLICY_LOSSES.register(name)
 
 
 # --------------------------------------------------------------------------- helpers

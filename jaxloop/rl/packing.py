@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxloop.mathutil import round_up
+
 PACK_KEYS = ("tokens", "targets", "positions", "segment_ids")
 
 
@@ -63,8 +65,7 @@ def row_bucket(needed: int, multiple: int, most: int) -> int:
     rows = multiple
     while rows < needed:
         rows *= 2
-    cap = -(-most // multiple) * multiple
-    return max(min(rows, cap), -(-needed // multiple) * multiple)
+    return max(min(rows, round_up(most, multiple)), round_up(needed, multiple))
 
 
 @dataclasses.dataclass

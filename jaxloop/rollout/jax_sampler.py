@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import expand, hf_shape, to_param
+from jaxloop.io.hf_walk import fill_from_hf
+from jaxloop.mathutil import round_up
 from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
@@ -289,36 +289,15 @@ class JaxSamplerEngine:
         return self.last_publish
 
     def _state_from_hf(self, tensors: Iterable[tuple[str, np.ndarray]]):
-        cfg = self.model.config
-        targets = {t.name: t for t in expand(hf_table(cfg, self.model.role), cfg)}
         _, state = nnx.split(self.model)
         flat = dict(nnx.to_flat_state(state))
-        buffers: dict[tuple, np.ndarray] = {}
-        seen = set()
-        for name, arr in tensors:
-            t = targets.get(name)
-            if t is None:
-                raise PublicationError(f"unknown tensor {name}")
-            full = tuple(flat[t.path].shape)
-            slice_shape = full[1:] if t.layer is not None else full
-            want = hf_shape(t.layout, slice_shape)
-            if tuple(np.shape(arr)) != want:
-                raise PublicationError(
-                    f"tensor {name} has shape {tuple(np.shape(arr))}, expected {want}"
-                )
-            value = to_param(np.asarray(arr), t.layout, slice_shape)
-            buf = buffers.setdefault(t.path, np.empty(full, flat[t.path][...].dtype))
-            if t.layer is None:
-                buf[...] = value
-            else:
-                buf[t.layer] = value
-            seen.add(name)
-        missing = sorted(set(targets) - seen)
-        if missing:
-            raise PublicationError(f"publication is missing tensor {missing[0]}")
+        specs = {path: var[...] for path, var in flat.items()}
+        buffers, count = fill_from_hf(
+            tensors, specs, self.model.config, self.model.role, error=PublicationError
+        )
         for path, buf in buffers.items():
             flat[path] = flat[path].replace(jnp.asarray(buf))
-        return nnx.from_flat_state(flat), len(seen)
+        return nnx.from_flat_state(flat), count
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         if self._state is None:
@@ -328,7 +307,7 @@ class JaxSamplerEngine:
         n = len(requests)
         longest = max(len(r.prompt_ids) for r in requests)
         prompt_len = _bucket(longest, self.min_prompt_bucket)
-        batch = -(-n // self.batch_multiple) * self.batch_multiple
+        batch = round_up(n, self.batch_multiple)
         ids = np.zeros((batch, prompt_len), np.int32)
         mask = np.zeros((batch, prompt_len), np.bool_)
         seeds = np.zeros((batch,), np.uint32)

@@ -22,7 +22,7 @@ The receiver rebuilds new = base xor payload from the base tensor it retained (`
 the whole version's digest is verified as for any delta.
 
 numpy + ml_dtypes only: importable by the JAX trainer and by engine processes (no jax, no torch).
-The safetensors byte format comes from jaxloop.safetensors_format (bfloat16 included).
+The safetensors byte format comes from jaxloop.io.safetensors (bfloat16 included).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from jaxloop import safetensors_format as st
+from jaxloop.io import safetensors as st
 from jaxloop.rollout.api import PublicationError
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)

@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxloop.families.tables import HFTensor
+from jaxloop.io.hf_walk import expected_hf_shape, hf_entries, hf_view
+from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.publication import _tensor_sha256  # the digest tensor_hashes uses
 
@@ -51,19 +54,16 @@ class StagedPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    name: str
-    path: tuple[str, ...]
-    layout: str
-    layer: int | None
+    entry: HFTensor  # which HF tensor, from which parameter
     shape: tuple[int, ...]
     source_dtype: np.dtype  # the parameter's
     dtype: np.dtype  # what the engine receives
     offset: int  # in its bucket's buffer
     nbytes: int
 
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+    @property
+    def name(self) -> str:
+        return self.entry.name
 
 
 _CAST_EXACT: dict[tuple[str, str, str], bool] = {}
@@ -154,14 +154,11 @@ class HostStaging:
     def _plan(self, flat, table, dtypes: Mapping[str, str]) -> list[list[_Slot]]:
         import jax.numpy as jnp
 
-        from jaxloop.models.hf_mapping import hf_shape
-
         buckets: list[list[_Slot]] = []
         size = 0
         for t in table:
             param = flat[t.path][...]
-            shape = tuple(param.shape[1:] if t.layer is not None else param.shape)
-            shape = hf_shape(t.layout, shape)
+            shape = expected_hf_shape(param.shape, t)
             source = np.dtype(param.dtype)
             want = dtypes.get(t.name)
             dtype = source if want is None else np.dtype(jnp.dtype(want))
@@ -169,10 +166,8 @@ class HostStaging:
             if not buckets or (buckets[-1] and size + nbytes > self.bucket_bytes):
                 buckets.append([])
                 size = 0
-            offset = _round_up(size, _ALIGN)
-            buckets[-1].append(
-                _Slot(t.name, t.path, t.layout, t.layer, shape, source, dtype, offset, nbytes)
-            )
+            offset = round_up(size, _ALIGN)
+            buckets[-1].append(_Slot(t, shape, source, dtype, offset, nbytes))
             size = offset + nbytes
         return buckets
 
@@ -207,12 +202,9 @@ class HostStaging:
         """The policy's HF tensors (views of the reused buffers) and their sha256 hashes."""
         from flax import nnx
 
-        from jaxloop.models.families import hf_table
-        from jaxloop.models.hf_mapping import expand
-
         start = time.perf_counter()
         flat = dict(nnx.to_flat_state(policy.params))
-        table = expand(hf_table(policy.config, "actor"), policy.config)
+        table = hf_entries(policy.config, "actor")
         device = next(iter(flat[table[0].path][...].devices()))
         backend = self._resolve_backend(device)
         buckets = self._plan(flat, table, dtypes or {})
@@ -265,14 +257,9 @@ class HostStaging:
     def _prepare(self, flat, bucket: list[_Slot], device_cast: dict) -> list:
         """Dispatch the device work of one bucket: the layer slice, the HF layout (transposes,
         reshapes: exact on any device) and the cast where the device's cast is bitwise numpy's."""
-        from jaxloop.models.hf_mapping import to_hf
-
         out = []
         for slot in bucket:
-            value = flat[slot.path][...]
-            if slot.layer is not None:
-                value = value[slot.layer]
-            value = to_hf(value, slot.layout)
+            value = hf_view(flat[slot.entry.path][...], slot.entry)
             if slot.dtype != slot.source_dtype and device_cast[(slot.source_dtype, slot.dtype)]:
                 value = value.astype(slot.dtype)
             out.append(value)

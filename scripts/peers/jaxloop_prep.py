@@ -42,7 +42,7 @@ def main() -> int:
     from jaxloop.config import parse_args
     from jaxloop.data.datasets import make_source
     from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer
-    from jaxloop.models import save_hf
+    from jaxloop.io.hf import save_hf
     from jaxloop.train import build_actor, producer_settings
 
     cfg = parse_args(train_argv)

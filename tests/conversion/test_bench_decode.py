@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import iter_hf_tensors
 from tests.models.helpers import FP32_REL_TOL, check_rel
 
 _PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
@@ -36,7 +35,7 @@ def test_unrolled_llama_computes_the_looped_model():
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         param = getattr(model.blocks, name)
         param[...] = param[...] * 8.0  # away from the near-uniform init: mistakes would show
-    tensors = dict(iter_hf_tensors(model, hf_table(model.config)))
+    tensors = dict(iter_hf(model, model.config))
     llama = bench.unrolled_llama(hf, tensors)
     assert llama.config.num_hidden_layers == 4
     ids = np.random.default_rng(0).integers(0, 96, (2, 9)).astype(np.int32)

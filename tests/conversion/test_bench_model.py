@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxloop.io.hf import abstract_model
 from jaxloop.models import LoopedConfig
-from jaxloop.models.hf_io import abstract_model
 
 _PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_model.py"
 _spec = importlib.util.spec_from_file_location("bench_model", _PATH)

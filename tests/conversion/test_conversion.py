@@ -1,4 +1,4 @@
-"""Orbax model checkpoints (jaxloop.models.orbax_io) and the conversion CLIs.
+"""Orbax model checkpoints (jaxloop.io.orbax) and the conversion CLIs.
 
 HF -> from_hf -> to_hf -> HF must give back the same tensors byte for byte (names, shapes,
 dtypes, bytes, read with hf_io.read_safetensors), and the orbax run dir must restore to a model
@@ -23,15 +23,16 @@ import pytest
 from flax import nnx
 
 from conversion import from_hf, to_hf
-from jaxloop.models import LoopedConfig, LoopedLM, load_hf, save_hf, tiny_hf_config
-from jaxloop.models.hf_io import (
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import (
     INDEX_FILE,
     abstract_model,
-    hf_tensor_shapes,
+    load_hf,
     read_safetensors,
+    save_hf,
     write_safetensors,
 )
-from jaxloop.models.orbax_io import (
+from jaxloop.io.orbax import (
     CHECKPOINT_DIR,
     TOKENIZER_DIR,
     RunDirError,
@@ -42,6 +43,7 @@ from jaxloop.models.orbax_io import (
     restore_model,
     save_model,
 )
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.parallel.mesh import logical_to_spec, make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
@@ -349,7 +351,7 @@ def test_export_hf_equals_save_hf_of_the_restored_model(tmp_path, monkeypatch, r
     import gc
     import weakref
 
-    from jaxloop.models import orbax_io
+    from jaxloop.io import orbax as orbax_io
 
     model = _model("ouro", role, 13)
     run = tmp_path / "run"

@@ -3,6 +3,7 @@ family added as one file."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -11,8 +12,9 @@ import pytest
 
 from jaxloop import families
 from jaxloop.families.tables import expand
+from jaxloop.io.hf import abstract_model
+from jaxloop.io.hf_walk import expected_hf_shape, hf_entries
 from jaxloop.models import LoopedConfig
-from jaxloop.models.hf_io import hf_tensor_shapes
 
 
 def test_families_import_without_jax_or_torch():
@@ -30,7 +32,14 @@ def test_table_shapes_equal_model_shapes(family, role):
     """The tables' config-dimension shapes (what the vLLM plugin loads) equal the HF shapes of
     the JAX model's parameters, name for name."""
     cfg = LoopedConfig.from_hf_dict(families.tiny_hf_config(family, num_key_value_heads=1))
-    assert families.hf_tensor_shapes(cfg, role) == hf_tensor_shapes(cfg, role)
+    assert families.hf_tensor_shapes(cfg, role) == model_hf_shapes(cfg, role)
+
+
+def model_hf_shapes(cfg, role):
+    """HF name -> shape from the abstract JAX model's parameter shapes (not the table's dims)."""
+    model = abstract_model(cfg, role)
+    shape = lambda path: functools.reduce(getattr, path, model).shape  # noqa: E731
+    return {t.name: expected_hf_shape(shape(t.path), t) for t in hf_entries(cfg, role)}
 
 
 _EXTRA_NORM_FAMILY = '''

@@ -16,7 +16,8 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxloop.models import LoopedConfig, LoopedLM, init_cache, load_hf, tiny_hf_config
+from jaxloop.io.hf import load_hf
+from jaxloop.models import LoopedConfig, LoopedLM, init_cache, tiny_hf_config
 from jaxloop.models.kv_cache import read_length_for, read_lengths
 from tests.models.helpers import (
     FP32_REL_TOL,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.models import init_cache, load_hf
+from jaxloop.io.hf import load_hf
+from jaxloop.models import init_cache
 from tests.models.helpers import FP32_REL_TOL, check_rel, padded_mask, random_ids
 from tests.models.torch_reference import (
     reference_forward,

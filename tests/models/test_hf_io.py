@@ -20,11 +20,11 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from jaxloop import safetensors_format as st
-from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, load_hf, save_hf, tiny_hf_config
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_io import CheckpointError, abstract_model, hf_tensor_shapes
-from jaxloop.models.hf_mapping import iter_hf_tensors
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io import safetensors as st
+from jaxloop.io.hf import CheckpointError, abstract_model, load_hf, save_hf
+from jaxloop.io.hf_walk import iter_hf
+from jaxloop.models import ConfigError, LoopedConfig, LoopedLM, tiny_hf_config
 from tests.models.helpers import FP32_REL_TOL, check_rel, random_ids
 from tests.models.torch_reference import (
     random_hf_tensors,
@@ -212,7 +212,7 @@ def test_streamed_shards_equal_whole_shard_writes(tmp_path, dtype):
     weight_map = json.loads((out / INDEX).read_text())["weight_map"]
     np_dtype = np.dtype(jnp.dtype(dtype))
     shards: dict[str, dict[str, np.ndarray]] = {}
-    for name, arr in iter_hf_tensors(model, hf_table(model.config, "actor")):
+    for name, arr in iter_hf(model, model.config, "actor"):
         shards.setdefault(weight_map[name], {})[name] = arr.astype(np_dtype)
     assert len(shards) >= 3
     for file, tensors in shards.items():
@@ -264,7 +264,7 @@ def test_progress_bars_only_when_asked(tmp_path, capsys):
 def test_load_hf_reads_in_slices(tmp_path, monkeypatch, family):
     """Tensors read a few rows at a time (every layout: transposed, head-split, rows, scalars;
     bf16 -> f32 casts and f32 -> f32 straight reads) give the same parameters as whole reads."""
-    from jaxloop.models import hf_io
+    from jaxloop.io import hf as hf_io
 
     src = tmp_path / "src"
     write_random_checkpoint(src, family, seed=8, dtype=torch.bfloat16)

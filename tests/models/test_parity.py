@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxloop.models import load_hf
+from jaxloop.io.hf import load_hf
 from tests.models.helpers import FP32_REL_TOL, check_rel, jit_forward, padded_mask, random_ids
 from tests.models.torch_reference import reference_forward, rel_err, write_random_checkpoint
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxloop.data.datasets import Example
 from jaxloop.data.tokenizer import CharTokenizer
-from jaxloop.models import load_hf
+from jaxloop.io.hf import load_hf
 from jaxloop.rl.sft import SFTStepper, sft_arrays, sft_loss, sft_sequences
 from tests.models.torch_reference import reference_forward, write_random_checkpoint
 

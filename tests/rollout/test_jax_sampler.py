@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import iter_hf_tensors
 from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import token_logprobs
@@ -141,7 +140,7 @@ def test_refuses_before_publish_and_checks_hf_publication():
     with pytest.raises(NotPublishedError):
         eng.generate(_requests(1), SamplingConfig())
     other = LoopedLM(cfg, rngs=nnx.Rngs(2))
-    tensors = list(iter_hf_tensors(other, hf_table(cfg)))
+    tensors = list(iter_hf(other, cfg))
     with pytest.raises(PublicationError, match="missing tensor"):
         eng.publish(tensors[1:], 1)
     bad = [(n, a[:-1] if n == "lm_head.weight" else a) for n, a in tensors]

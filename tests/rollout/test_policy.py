@@ -1,12 +1,11 @@
-"""A Policy's HF export equals the HF checkpoint writer's tensors (iter_hf_tensors), byte for byte,
+"""A Policy's HF export equals the HF checkpoint writer's tensors (io.hf.iter_hf), byte for byte,
 for both families; an engine's dtype is applied."""
 
 import pytest
 from flax import nnx
 
+from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import iter_hf_tensors
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.policy import hf_tensors
 
@@ -18,7 +17,7 @@ def test_policy_export_equals_the_checkpoint_writer(family):
     policy = Policy(nnx.state(model), 3, cfg)
     assert policy.family == family
     got = hf_tensors(policy)
-    want = list(iter_hf_tensors(model, hf_table(cfg, "actor")))
+    want = list(iter_hf(model, cfg, "actor"))
     assert [n for n, _ in got] == [n for n, _ in want]
     for (name, a), (_, b) in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.models import save_hf
+from jaxloop.io.hf import save_hf
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import SamplingConfig

@@ -8,6 +8,7 @@ mistakes), so attention is sharp and the log-probs spread over several nats.
 
 from __future__ import annotations
 
+import functools
 import time
 from importlib.metadata import entry_points
 
@@ -18,10 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_io import hf_tensor_shapes
-from jaxloop.models.hf_mapping import get_param, iter_hf_tensors
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import save_hf
+from jaxloop.io.hf_walk import iter_hf
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.publication import Manifest, make_chunks
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
@@ -57,21 +58,21 @@ def _make_model(family: str, seed: int) -> LoopedLM:
     scales = {"q_proj": 8.0, "k_proj": 8.0, "v_proj": 5.0, "o_proj": 5.0}
     scales |= {"gate_proj": 5.0, "up_proj": 5.0, "down_proj": 5.0}
     for name, s in scales.items():
-        p = get_param(model, ("blocks", name))
+        p = getattr(model.blocks, name)
         p[...] = p[...] * s
     for path in [("final_norm",)] + [
         ("blocks", n)
         for n in ("input_norm", "post_attn_norm", "attn_out_norm", "mlp_out_norm")
         if hasattr(model.blocks, n)
     ]:
-        p = get_param(model, path)
+        p = functools.reduce(getattr, path, model)
         p[...] = jnp.asarray(1.0 + 0.3 * rng.standard_normal(p.shape), jnp.float32)
     model.lm_head[...] = model.lm_head[...] * 10.0
     return model
 
 
 def _tensors(model):
-    return list(iter_hf_tensors(model, hf_table(model.config)))
+    return list(iter_hf(model, model.config))
 
 
 def _ref_logprobs(model, ids, temperature=1.0) -> np.ndarray:

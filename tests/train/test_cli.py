@@ -8,7 +8,8 @@ import re
 import pytest
 from flax import nnx
 
-from jaxloop.models import LoopedConfig, LoopedLM, save_hf, tiny_hf_config
+from jaxloop.io.hf import save_hf
+from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.train import main
 from tests.train.helpers import TINY, read_rows, run_train
 

@@ -12,7 +12,7 @@ import pytest
 
 from conversion.to_hf import main as to_hf
 from jaxloop.config import apply_override, load_config_file
-from jaxloop.models.hf_io import checkpoint_files, read_safetensors
+from jaxloop.io.hf import checkpoint_files, read_safetensors
 from jaxloop.parallel import mesh as shd
 from jaxloop.train import Training, actor_config
 from jaxloop.train import main as train_main

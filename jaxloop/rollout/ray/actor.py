@@ -149,8 +149,8 @@ class EngineProcess:
             import jax.numpy as jnp
             from flax import nnx
 
+            from jaxloop.families import hf_tensor_shapes
             from jaxloop.models import LoopedConfig, LoopedLM
-            from jaxloop.models.hf_io import hf_tensor_shapes
             from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
             cfg = LoopedConfig.from_hf_dict(dict(spec.hf_config)).replace(**spec.numerics)

@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
+from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
 from jaxloop.rollout.policy import hf_tensors
 from jaxloop.rollout.publication import Manifest, iter_chunks, xor_encode
@@ -48,10 +49,6 @@ def _actor_env() -> dict[str, str]:
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def retained_copies(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -251,7 +248,7 @@ class RayRolloutClient:
                 log_level=self.log_level,
             )
             return spec, {"CPU": 1.0}
-        from jaxloop.models import save_hf
+        from jaxloop.io.hf import save_hf
 
         start = time.perf_counter()
         model_dir = save_hf(actor_model, self._tmp / "model", dtype="float32")
@@ -277,7 +274,7 @@ class RayRolloutClient:
             model_dir=str(model_dir),
             dtype=m.compute_dtype,
             seed=int(cfg.seed),
-            max_model_len=min(limit, _round_up(need, 32)),
+            max_model_len=min(limit, round_up(need, 32)),
             llm_kwargs=llm_kwargs,
             log_level=self.log_level,
         )

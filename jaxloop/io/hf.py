@@ -25,15 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from jaxloop import safetensors_format as st
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io import safetensors as st
+from jaxloop.io.hf_walk import expected_hf_shape, hf_targets, iter_hf, writable_hf_view
 from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_mapping import expand, get_param, hf_shape, iter_hf_tensors, to_hf
 from jaxloop.models.looped import LoopedLM
-from jaxloop.parallel.mesh import logical_to_spec
+from jaxloop.parallel.mesh import shardings_for
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -121,18 +120,6 @@ def abstract_model(cfg: LoopedConfig, role: str = "actor") -> LoopedLM:
     return nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), role=role))
 
 
-def hf_tensor_shapes(cfg: LoopedConfig, role: str = "actor") -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name and shape of a model, from shapes alone (no memory for weights)."""
-    model = abstract_model(cfg, role)
-    shapes = {}
-    for t in expand(hf_table(cfg, role), cfg):
-        shape = tuple(get_param(model, t.path).shape)
-        if t.layer is not None:
-            shape = shape[1:]
-        shapes[t.name] = hf_shape(t.layout, shape)
-    return shapes
-
-
 # ---- import
 READ_CHUNK_BYTES = 64 * 2**20  # source bytes read (and converted) at a time by load_hf
 _ALIGN = 4096  # host buffers aligned like this become CPU device arrays without a copy
@@ -164,9 +151,9 @@ def load_hf(
     Unknown, missing or mis-shaped tensors raise CheckpointError naming the tensor (all checked
     from the file headers before any tensor data is read); so does a tensor holding a NaN or an
     infinity (checked as its bytes are read, naming the first index).
-    mesh: every parameter goes straight onto NamedSharding(mesh, logical_to_spec(its
-    logical_axes)), built with jax.make_array_from_callback from its host buffer (each device
-    takes only its slices); default: the default device.
+    mesh: every parameter goes straight onto parallel.mesh.shardings_for(its variable), built
+    with jax.make_array_from_callback from its host buffer (each device takes only its slices);
+    default: the default device.
     progress: a bar over the bytes read, on stderr.
 
     Memory: each parameter has one host buffer, filled from the source files with plain reads of
@@ -194,7 +181,7 @@ def load_hf(
                     var = flat[t.path]
                     if t.path not in buffers:
                         buffers[t.path] = _aligned_empty(var.shape, np_dtype)
-                    _fill(f, file, entry, _hf_view(buffers[t.path], t))
+                    _fill(f, file, entry, writable_hf_view(buffers[t.path], t))
                     bar.update(entry.nbytes)
                     pending[t.path] -= 1
                     if pending[t.path] == 0:
@@ -221,7 +208,7 @@ def _plan_load(path: Path, dtype, compute_dtype, config_overrides: dict):
     model = abstract_model(cfg, role)
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
-    targets = {t.name: t for t in expand(hf_table(cfg, role), cfg)}
+    targets = hf_targets(cfg, role)
     plan = _plan_reads(files, headers, targets, flat)
     missing = [n for n in targets if n not in {e.name for _, entries in plan for e, _ in entries}]
     if missing:
@@ -243,7 +230,7 @@ class _Entry:
 
 def _read_header(file: Path) -> list[_Entry]:
     """A safetensors file's tensors from its header alone, in header order, validated by
-    safetensors_format.parse (over a memory map of which only the header pages are touched)."""
+    io.safetensors.parse (over a memory map of which only the header pages are touched)."""
     try:
         if file.stat().st_size == 0:
             raise st.FormatError(f"{file.name} is empty")
@@ -276,8 +263,7 @@ def _plan_reads(files: list[Path], headers: list, targets: dict, flat: dict) -> 
                 raise CheckpointError(f"tensor {e.name} appears twice ({file.name})")
             seen.add(e.name)
             t = targets[e.name]
-            full_shape = tuple(flat[t.path].shape)
-            want = hf_shape(t.layout, full_shape[1:] if t.layer is not None else full_shape)
+            want = expected_hf_shape(flat[t.path].shape, t)
             if e.shape != want:
                 raise CheckpointError(f"tensor {e.name} has shape {e.shape}, expected {want}")
             if not jnp.issubdtype(e.dtype, jnp.floating):
@@ -296,15 +282,6 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _hf_view(buffer: np.ndarray, t) -> np.ndarray:
-    """A writable view of the parameter slice that HF tensor `t` fills, in the HF tensor's shape
-    (layouts only transpose and reshape, so to_hf of a contiguous slice is a view of it)."""
-    view = to_hf(buffer[t.layer] if t.layer is not None else buffer, t.layout)
-    if not np.may_share_memory(view, buffer):
-        raise RuntimeError(f"layout {t.layout} of {t.name} gave a copy, not a view")
-    return view
 
 
 def _fill(f, file: Path, entry: _Entry, dest: np.ndarray) -> None:
@@ -367,8 +344,7 @@ def _place(buffer: np.ndarray, var, mesh: jax.sharding.Mesh | None) -> jax.Array
     Blocks, so that the buffer is free (or owned by the array) when this returns."""
     if mesh is None:
         return jax.device_put(buffer).block_until_ready()
-    axes = getattr(var, "logical_axes", None) or (None,) * buffer.ndim
-    sharding = NamedSharding(mesh, logical_to_spec(axes, buffer.shape, mesh))
+    sharding = shardings_for(var, mesh)
     return jax.make_array_from_callback(
         buffer.shape, sharding, lambda i: buffer[i]
     ).block_until_ready()
@@ -414,7 +390,7 @@ def save_hf(
         path,
         model_hf_config(model),
         hf_tensor_shapes(model.config, model.role),
-        iter_hf_tensors(model, hf_table(model.config, model.role)),
+        iter_hf(model, model.config, model.role),
         dtype=dtype,
         max_shard_size=max_shard_size,
         tokenizer_dir=tokenizer_dir,
@@ -436,7 +412,7 @@ def write_hf(
 ) -> Path:
     """save_hf from parts: the config.json dict, every HF tensor's shape (in order) and an
     iterator of (name, array) in that order, each consumed and dropped before the next is asked
-    for (so a producer that builds them one at a time bounds the peak: see orbax_io.export_hf).
+    for (so a producer that builds them one at a time bounds the peak: see io.orbax.export_hf).
     """
     path = Path(path).resolve()
     if path.exists() and any(path.iterdir()) and not overwrite:

@@ -34,24 +34,22 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from jaxloop.models import digests
-from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.families import hf_table
-from jaxloop.models.hf_io import (
+from jaxloop.families import hf_tensor_shapes
+from jaxloop.io.hf import (
     ROLE_KEY,
     abstract_model,
     copy_tokenizer_files,
     hf_config_dict,
-    hf_tensor_shapes,
     model_hf_config,
     progress_bar,
     write_hf,
 )
-from jaxloop.models.hf_mapping import expand, to_hf
+from jaxloop.io.hf_walk import hf_entries, hf_view
+from jaxloop.models import digests
+from jaxloop.models.config import ConfigError, LoopedConfig
 from jaxloop.models.looped import ROLES, LoopedLM
-from jaxloop.parallel.mesh import logical_to_spec
+from jaxloop.parallel.mesh import shardings_for
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
@@ -112,7 +110,7 @@ def save_model(
 ) -> Path:
     """Write `{role}_config.json` and the `{role}_params` item at `step` (a new step).
 
-    tokenizer_dir: a directory whose tokenizer files (hf_io.TOKENIZER_FILES) are copied into
+    tokenizer_dir: a directory whose tokenizer files (io.hf.TOKENIZER_FILES) are copied into
     run_dir/tokenizer/ (not created when it holds none).
     donate: move the parameters to host memory one at a time, deleting each device array, and
     write them without orbax's defensive host copy: peak memory is the model plus one parameter
@@ -314,8 +312,8 @@ def restore_model(
 
     dtype: parameter dtype (None keeps the stored one; otherwise orbax casts while reading).
     compute_dtype defaults to the parameter dtype. sharding: where every parameter goes
-    (default: the first local device); or mesh: each parameter onto NamedSharding(mesh,
-    logical_to_spec(its logical_axes)), passed to orbax so that each device reads only its
+    (default: the first local device); or mesh: each parameter onto parallel.mesh.shardings_for
+    (its logical axes), passed to orbax so that each device reads only its
     slices (not both). budget_bytes: orbax's in-flight read budget within one parameter, raised
     to fit the largest one (parameters are restored one at a time whatever the budget).
     config_overrides go to LoopedConfig.replace (remat, attention_impl...). progress: a bar over
@@ -337,7 +335,7 @@ def restore_model(
     shapes = nnx.to_pure_dict(params)
     _check_shapes(shapes, stored, item)
     if mesh is not None:
-        shardings = _mesh_shardings(params, mesh)
+        shardings = nnx.to_pure_dict(shardings_for(params, mesh))
     else:
         one = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: one, shapes)
@@ -429,18 +427,6 @@ def _params_registry(item: str, budget_bytes: int):
     return registry
 
 
-def _mesh_shardings(params: nnx.State, mesh: jax.sharding.Mesh) -> dict:
-    """A pure dict of NamedShardings from each abstract parameter's logical axes."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(params):
-        axes = getattr(var, "logical_axes", None) or (None,) * len(var.shape)
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh))
-    return out
-
-
 def _restore_one(mngr, step: int, item: str, path, x: jax.ShapeDtypeStruct) -> jax.Array:
     """One parameter of `item` (orbax's partial restore), cast to x.dtype and placed on
     x.sharding. Restoring the whole tree at once keeps many parameters' host reads and device
@@ -516,7 +502,7 @@ def export_hf(
 
     def tensors(mngr):
         held: tuple[tuple[str, ...] | None, np.ndarray | None] = (None, None)
-        for t in expand(hf_table(cfg, role), cfg):
+        for t in hf_entries(cfg, role):
             if held[0] != t.path:
                 large = held[1] is not None and held[1].nbytes >= 2**24
                 held = (None, None)  # drop the previous parameter before reading the next
@@ -527,7 +513,7 @@ def export_hf(
                 held = (t.path, param)
                 del param
             # no local keeps a view of the parameter: it must be freed when `held` moves on
-            yield t.name, _hf_tensor(held[1], t)
+            yield t.name, np.ascontiguousarray(hf_view(held[1], t))
 
     with (
         _open(ckpt, _params_registry(item, _read_limit(stored, budget_bytes))) as mngr,
@@ -547,11 +533,6 @@ def export_hf(
     if not verified:
         digests.warn_unverified(step, run_dir)
     return out, cfg
-
-
-def _hf_tensor(param: np.ndarray, t) -> np.ndarray:
-    """HF tensor `t` (a layer of, or all of) a parameter, contiguous."""
-    return np.ascontiguousarray(to_hf(param if t.layer is None else param[t.layer], t.layout))
 
 
 def _check_shapes(want: dict, stored: dict, item: str) -> None:

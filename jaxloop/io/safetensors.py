@@ -1,6 +1,6 @@
 """The safetensors byte format, written and read by hand (numpy + ml_dtypes only).
 
-`safetensors.numpy` cannot load bfloat16, and both HF checkpoints (jaxloop.models.hf_io) and
+`safetensors.numpy` cannot load bfloat16, and both HF checkpoints (jaxloop.io.hf) and
 policy-publication buckets (jaxloop.rollout.publication) need it; this module serves both.
 Layout: 8-byte little-endian header length, JSON header (padded to 8 bytes), raw data.
 """
