@@ -46,10 +46,9 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The documented user-error types (imported lazily: this module stays light)."""
-    from jaxloop.io.hf import CheckpointError
     from jaxloop.io.orbax import RunDirError
 
-    return (UsageError, CheckpointError, RunDirError)
+    return (UsageError, RunDirError)
 
 
 def error_line(err: BaseException, prefix: str = "") -> str:

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxloop.errors import UsageError
 from jaxloop.families import hf_tensor_shapes
 from jaxloop.io import safetensors as st
 from jaxloop.io.hf_walk import expected_hf_shape, hf_targets, iter_hf, writable_hf_view
@@ -67,7 +68,7 @@ def hf_config_dict(cfg: LoopedConfig, role: str = "actor") -> dict:
     return hf
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """An HF checkpoint does not match the model it claims to be."""
 
 
