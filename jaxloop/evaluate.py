@@ -149,11 +149,11 @@ def pass_at_k(correct: np.ndarray, k: int) -> float:
 def evaluate_run(args: argparse.Namespace) -> dict:
     from flax import nnx
 
+    from jaxloop.io.run_dir import checkpoint_steps
     from jaxloop.models.orbax_io import restore_model
     from jaxloop.rollout.api import Policy
     from jaxloop.rollout.jax_sampler import JaxSamplerEngine
     from jaxloop.rollout.producer import RolloutProducer
-    from jaxloop.summary import checkpoint_steps
 
     run_dir = Path(args.checkpoint)
     cfg = read_run_config(run_dir)

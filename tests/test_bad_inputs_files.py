@@ -36,7 +36,7 @@ from jaxloop.models import LoopedConfig, tiny_hf_config
 from jaxloop.models.digests import DIGEST_FILE, TRASH_DIR, verify_step
 from jaxloop.models.hf_io import read_safetensors, write_safetensors
 from jaxloop.plot import main as plot_main
-from jaxloop.train import main as train_main
+from jaxloop.train.cli import main as train_main
 from tests.test_bad_inputs import (
     ALGO,
     BASE,

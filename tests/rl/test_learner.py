@@ -9,13 +9,13 @@ import pytest
 from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
+from jaxloop.models.build import build_critic
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
-from jaxloop.train import build_critic
 
 CFG = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_hidden_layers=1))
 
