@@ -234,13 +234,13 @@ def _sft_changes_math(cfg, key: str) -> bool:
 def check_sft_resume(cfg, run_dir: Path) -> None:
     """Refuse to resume an SFT run dir with a config whose math differs from its config.json."""
     from jaxloop.config import flat_items
-    from jaxloop.train.checkpoint import _flat_json
+    from jaxloop.train.checkpoint import flat_json
 
     stored_path = run_dir / "config.json"
     if not stored_path.is_file():
         return
     try:
-        stored = _flat_json(json.loads(stored_path.read_text()))
+        stored = flat_json(json.loads(stored_path.read_text()))
     except (ValueError, AttributeError) as err:
         raise RunDirError(f"{stored_path} is unreadable ({err})") from None
     for key, value in flat_items(cfg):

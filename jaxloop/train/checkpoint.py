@@ -198,11 +198,12 @@ ARCHITECTURE_FIELDS = (
 )
 
 
-def _flat_json(tree: dict, prefix: str = "") -> dict:
+def flat_json(tree: dict, prefix: str = "") -> dict:
+    """A JSON tree's leaves by their dotted keys (as config.flat_items names them)."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flat_json(value, f"{prefix}{key}."))
+            out.update(flat_json(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -298,7 +299,7 @@ def _stored_config(run_dir: Path) -> dict | None:
     if not stored_path.is_file():
         return None
     try:
-        return _flat_json(json.loads(stored_path.read_text()))
+        return flat_json(json.loads(stored_path.read_text()))
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
         raise RunDirError(f"{stored_path} is unreadable ({type(err).__name__}: {err})") from None
 

@@ -106,9 +106,6 @@ def preflight(cfg):
     return algo
 
 
-WRITE_ERRNOS = errors.WRITE_ERRNOS  # a write the file system refuses: a user error (exit 2)
-
-
 def check_writable(run_dir) -> None:
     """UsageError unless a file can be created, written and synced in run_dir (a new one: in its
     nearest existing parent); the probe file is removed. A read-only or full file system fails
