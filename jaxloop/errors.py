@@ -45,10 +45,9 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """The documented user-error types (imported lazily: this module stays light)."""
-    from jaxloop.io.orbax import RunDirError
-
-    return (UsageError, RunDirError)
+    """The documented user-error types: UsageError, which every layer's bad-input error
+    subclasses (DataError, ConfigError, TokenizerError, CheckpointError, RunDirError, ...)."""
+    return (UsageError,)
 
 
 def error_line(err: BaseException, prefix: str = "") -> str:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIG_FILE = "config.json"
+from jaxloop.io.run_dir import CONFIG_FILE, checkpoint_steps
+
 _BIG = 10**9  # "every row" of a --data file
 
 
@@ -85,50 +86,64 @@ def read_run_config(run_dir: str | Path) -> dict:
     return cfg
 
 
-def eval_settings(cfg: dict, args: argparse.Namespace, vocab_size: int):
-    """ProducerSettings whose held-out examples are the prompts to evaluate on."""
-    from jaxloop.data.tasks import DEFAULT_TASK
-    from jaxloop.rollout.producer import ProducerSettings
-    from jaxloop.rollout.types import SamplingConfig
+def run_config(raw: dict, path: Path):
+    """The run's config: jaxloop.config's defaults with its config.json over them (keys these
+    defaults lack, from another jaxloop version, are skipped), so evaluation reads every setting
+    as the trainer does."""
+    from jaxloop.config import base_config, flat_items
+    from jaxloop.train.checkpoint import flat_json
 
-    data, rollout = cfg["data"], cfg["rollout"]
-    builtin = {
-        "source": "builtin",
-        "task": data.get("task", DEFAULT_TASK),
-        "num_digits": data.get("num_digits", 4),
-        "seed": cfg.get("seed", 0),
-    }
-    eval_file = args.data or data.get("eval_source", "")
+    cfg = base_config()
+    known = dict(flat_items(cfg))
+    try:
+        cfg.update_from_flattened_dict({k: v for k, v in flat_json(raw).items() if k in known})
+    except (TypeError, ValueError) as err:
+        raise EvalUsageError(
+            f"{path}: not a jaxloop config ({type(err).__name__}: {err})"
+        ) from None
+    return cfg
+
+
+def eval_settings(cfg, args: argparse.Namespace, vocab_size: int):
+    """ProducerSettings whose held-out examples are the prompts to evaluate on: the trainer's
+    (train.setup.producer_settings) with the prompt set, reward and sampling of the command
+    line."""
+    from jaxloop.rollout.types import SamplingConfig
+    from jaxloop.train.setup import producer_settings
+
+    settings = producer_settings(cfg, requires_groups=False)
+    data = cfg.data
+    # the training source is not needed: only the held-out examples are generated
+    builtin = {**settings.data, "source": "builtin"}
+    eval_file = args.data or data.eval_source
     if eval_file:
-        # the training source is not needed: only the held-out examples are generated
         settings_data = {**builtin, "eval_source": eval_file}
-        n = args.prompts or (_BIG if args.data else int(cfg.get("eval_prompts", 64)))
+        n = args.prompts or (_BIG if args.data else int(cfg.eval_prompts))
         prompts = f"{eval_file} ({'--data' if args.data else 'data.eval_source'})"
-    elif data.get("source", "builtin") == "builtin":
+    elif data.source == "builtin":
         settings_data = {**builtin, "eval_source": ""}
-        n = args.prompts or int(cfg.get("eval_prompts", 64))
+        n = args.prompts or int(cfg.eval_prompts)
         prompts = f"builtin {builtin['task']} ({builtin['num_digits']} digits), held-out split"
     else:
         raise EvalUsageError(
-            f"the run trained on {data.get('source')!r} without data.eval_source: pass --data FILE"
+            f"the run trained on {data.source!r} without data.eval_source: pass --data FILE"
         )
-    tokenizer = data.get("tokenizer", "char")
-    if tokenizer != "char" and not Path(tokenizer).is_dir():
-        raise EvalUsageError(f"tokenizer dir {tokenizer!r} of the run's data.tokenizer not found")
-    settings = ProducerSettings(
-        seed=int(cfg.get("seed", 0)),
+    if data.tokenizer != "char" and not Path(data.tokenizer).is_dir():
+        raise EvalUsageError(
+            f"tokenizer dir {data.tokenizer!r} of the run's data.tokenizer not found"
+        )
+    settings = dataclasses.replace(
+        settings,
         data=settings_data,
-        tokenizer=tokenizer,
         vocab_size=int(vocab_size),
-        reward=args.reward or data.get("reward", "exact_match"),
+        reward=args.reward or settings.reward,
         prompts_per_update=1,
         n_samples_per_prompt=1,
-        max_prompt_tokens=int(data.get("max_prompt_tokens", 32)),
         eval_prompts=n,
-        requires_groups=False,
+        # the command line's sampling: the run's temperature and response length by default
         sampling=SamplingConfig(
-            temperature=args.temperature or float(rollout.get("temperature", 1.0)),
-            max_new_tokens=args.max_new_tokens or int(rollout.get("max_new_tokens", 8)),
+            temperature=args.temperature or float(cfg.rollout.temperature),
+            max_new_tokens=args.max_new_tokens or int(cfg.rollout.max_new_tokens),
         ),
     )
     return settings, prompts
@@ -153,23 +168,21 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     from jaxloop.rollout.api import Policy
     from jaxloop.rollout.jax_sampler import JaxSamplerEngine
     from jaxloop.rollout.producer import RolloutProducer
-    from jaxloop.summary import checkpoint_steps
 
     run_dir = Path(args.checkpoint)
-    cfg = read_run_config(run_dir)
+    cfg = run_config(read_run_config(run_dir), run_dir / CONFIG_FILE)
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise EvalUsageError(f"{run_dir} holds no checkpoint")
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
         raise EvalUsageError(f"{run_dir} has no checkpoint at step {step} (steps: {steps})")
-    m = cfg["model"]
     model = restore_model(
         run_dir,
         "actor",
         step=step,
-        dtype=m.get("param_dtype", "float32"),
-        compute_dtype=m.get("compute_dtype", "float32"),
+        dtype=cfg.model.param_dtype,
+        compute_dtype=cfg.model.compute_dtype,
     )
     settings, prompts = eval_settings(cfg, args, model.config.vocab_size)
     producer = RolloutProducer(settings, JaxSamplerEngine(model))

@@ -28,7 +28,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxloop.checkpoint import TrainCheckpointer
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
 from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.io.hf import abstract_model
@@ -41,6 +40,7 @@ from jaxloop.rl.sft import SFTStepper, answer_budget, sft_arrays, sft_seq_len, s
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.producer import RolloutProducer, derive_seed
+from jaxloop.train.checkpoint import TrainCheckpointer
 
 # what `python -m jaxloop.sft` reads (a section name covers its keys)
 SFT_KEYS = (
@@ -121,7 +121,7 @@ def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
     return validation or make_source({**data, "seed": derive_seed(seed, PROBE_SEED)}).next_batch(n)
 
 
-def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
+def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
     `actor_params` (donated); with `warm_start.stop_at_reward > 0` it stops after the first step
     whose greedy reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
@@ -130,15 +130,15 @@ def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
     greedy eval reward before and after it, the last probe reward and loss, seconds)."""
     ws = cfg.warm_start
     steps = ws.sft_steps
-    mesh, shardings = training.mesh, training.shardings
+    mesh, shardings = setup.mesh, setup.shardings
     tx = sft_optimizer(cfg, steps)
-    graphdef = nnx.split(training.actor_abstract)[0]
+    graphdef = nnx.split(setup.actor_abstract)[0]
     opt_sharding = None
     if mesh is not None:
         from jaxloop.rl.state import opt_shardings
 
         opt_sharding = opt_shardings(
-            tx, abstract_params(training.actor_abstract), shardings.actor_params, mesh
+            tx, abstract_params(setup.actor_abstract), shardings.actor_params, mesh
         )
     stepper = SFTStepper(
         graphdef,
@@ -154,10 +154,10 @@ def warm_start(cfg, training, producer, actor_params) -> tuple[dict, dict]:
     if ws.stop_at_reward > 0:
         probe = probe_examples(producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
     started = time.perf_counter()
-    config = training.actor_abstract.config
+    config = setup.actor_abstract.config
 
     def publish(params):
-        producer.publish(Policy(training.policy_of(params), 0, config))
+        producer.publish(Policy(setup.policy_of(params), 0, config))
 
     publish(actor_params)
     before = producer.evaluate()
@@ -217,9 +217,9 @@ def _covered(key: str, keys) -> bool:
 
 
 def _sft_resume_free(key: str) -> bool:
-    """Whether an SFT resume may change `key`: the trainer's rule (train.RESUME_FREE_KEYS and
-    RESUME_FREE_SECTIONS) with SFT's own additions and exceptions."""
-    from jaxloop.train import RESUME_FREE_KEYS, RESUME_FREE_SECTIONS
+    """Whether an SFT resume may change `key`: the trainer's rule (RESUME_FREE_KEYS and
+    RESUME_FREE_SECTIONS of train/checkpoint.py) with SFT's own additions and exceptions."""
+    from jaxloop.train.checkpoint import RESUME_FREE_KEYS, RESUME_FREE_SECTIONS
 
     if key in SFT_RESUME_FIXED:
         return False
@@ -234,13 +234,13 @@ def _sft_changes_math(cfg, key: str) -> bool:
 def check_sft_resume(cfg, run_dir: Path) -> None:
     """Refuse to resume an SFT run dir with a config whose math differs from its config.json."""
     from jaxloop.config import flat_items
-    from jaxloop.train import _flat_json
+    from jaxloop.train.checkpoint import flat_json
 
     stored_path = run_dir / "config.json"
     if not stored_path.is_file():
         return
     try:
-        stored = _flat_json(json.loads(stored_path.read_text()))
+        stored = flat_json(json.loads(stored_path.read_text()))
     except (ValueError, AttributeError) as err:
         raise RunDirError(f"{stored_path} is unreadable ({err})") from None
     for key, value in flat_items(cfg):
@@ -258,7 +258,8 @@ class SFTRun:
     """Model, mesh, data, optimizer state and checkpoints of one `jaxloop.sft` run dir."""
 
     def __init__(self, cfg):
-        from jaxloop.train import actor_config, init_actor_params, producer_settings
+        from jaxloop.train.build import actor_config, init_actor_params
+        from jaxloop.train.setup import actor_seed, producer_settings
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -293,8 +294,8 @@ class SFTRun:
             cfg.data.max_prompt_tokens,
             cfg.sft.batch_size,
         )
-        from jaxloop.summary import checkpoint_steps
-        from jaxloop.train import check_fresh_start
+        from jaxloop.io.run_dir import checkpoint_steps
+        from jaxloop.train.checkpoint import check_fresh_start
 
         check_fresh_start(cfg, self.run_dir, _sft_changes_math)  # before anything is written
         step = (checkpoint_steps(self.run_dir) or [None])[-1]
@@ -305,7 +306,9 @@ class SFTRun:
             self.state, extra = self.checkpointer.restore(step, abstract, self.shardings)
             self.data.restore(extra["data_cursor"])
         else:
-            actor = init_actor_params(cfg, model_cfg, self.mesh, self.shardings.actor_params)
+            actor = init_actor_params(
+                cfg, model_cfg, self.mesh, self.shardings.actor_params, actor_seed(cfg)
+            )
             self.state = build_train_state(actor, self.tx, shardings=self.shardings, seed=cfg.seed)
             self.checkpointer = TrainCheckpointer(self.run_dir, keep=cfg.keep_checkpoints)
             if self.is_main:
@@ -411,7 +414,8 @@ def _abstract_sft_state(actor_abstract, tx):
 def sft_preflight(cfg) -> None:
     """The model source and its rules, data, tokenizer and prompt lengths, before anything is
     built or written."""
-    from jaxloop.train import check_model_source, producer_settings
+    from jaxloop.train.cli import check_model_source
+    from jaxloop.train.setup import producer_settings
 
     check_model_source(cfg)
 
@@ -426,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxloop.sft`, behind the entry points' one exception boundary
     (jaxloop/errors.py): a user error is one line and exit code 2 (what a fresh start had created
     is removed again), anything else keeps its traceback."""
-    from jaxloop.train import run_cleaning_up
+    from jaxloop.train.cli import run_cleaning_up
 
     argv = sys.argv[1:] if argv is None else argv
     return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
@@ -434,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], cleanup: list) -> int:
     from jaxloop.summary import finish_report
-    from jaxloop.train import FreshStartCleanup, check_fresh_start, check_writable
+    from jaxloop.train.checkpoint import FreshStartCleanup, check_fresh_start
+    from jaxloop.train.cli import check_writable
 
     started = time.perf_counter()
     run = None

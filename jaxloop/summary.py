@@ -1,44 +1,16 @@
 """What a training process prints when it ends: a short table of how the run went and where its
 outputs are, after writing <run_dir>/curves.png (jaxloop.plot).
-
-Also `completed_update(run_dir)`: the update count of a run dir's latest finished checkpoint, read
-without opening orbax (nothing is created), so a finished run can be recognised before anything
-is built or written.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from jaxloop.checkpoint import TRAIN_STATE
-from jaxloop.io.orbax import CHECKPOINT_DIR
+from jaxloop.io.run_dir import checkpoint_steps, step_dir
 from jaxloop.metrics import METRICS_FILE, TB_DIR, read_metrics
 
 LAST_N = 10
-
-
-def checkpoint_steps(run_dir: str | Path) -> list[int]:
-    """Steps of the finished checkpoints (orbax renames a step's temporary directory to the bare
-    number only when it is complete)."""
-    root = Path(run_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def completed_update(run_dir: str | Path) -> int | None:
-    """Updates finished by the latest checkpoint (its train state's "update"; the step number
-    when that cannot be read), None without a checkpoint. Reads only."""
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        return None
-    meta = Path(run_dir) / CHECKPOINT_DIR / str(steps[-1]) / TRAIN_STATE / "metadata"
-    try:
-        return int(json.loads(meta.read_text())["update"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return steps[-1]
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -119,7 +91,7 @@ def finish_report(
         ("metrics", str(run_dir / METRICS_FILE)),
         ("tensorboard", str(run_dir / TB_DIR)),
         ("curves", curves),
-        ("checkpoint", str(run_dir / CHECKPOINT_DIR / str(steps[-1])) if steps else "none"),
+        ("checkpoint", str(step_dir(run_dir, steps[-1])) if steps else "none"),
     ]
     done = rows[-1]["update"] + 1 if rows else start_update
     width = max(len(label) for label, _ in table)

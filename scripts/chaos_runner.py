@@ -67,9 +67,9 @@ def _step_of(path) -> str:
 def install() -> None:
     from orbax.checkpoint._src.path import async_path, atomicity, deleter
 
-    import jaxloop.train as train
-    from jaxloop.checkpoint import TrainCheckpointer
+    import jaxloop.train.loop as train
     from jaxloop.metrics import MetricsWriter
+    from jaxloop.train.checkpoint import TrainCheckpointer
 
     _wrap(
         TrainCheckpointer,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     mark("start")
     sys.path.insert(0, os.getcwd())  # as `python -m` would: module:function rewards of the cwd
     install()
-    from jaxloop.train import main as train_main
+    from jaxloop.train.cli import main as train_main
 
     return train_main(sys.argv[1:] if argv is None else argv)
 

@@ -4,8 +4,8 @@
     python scripts/plan_memory.py --config nanbeige-3b --algorithm all --mesh fsdp=1 \\
         --micro-batch 1 --seq 2048
 
-Builds the trainer's own learner (`jaxloop.train.Training`) on a mesh of fake CPU devices, then
-lowers and compiles its jitted `update(state, batch)` (and `old_logprobs`) from abstract inputs
+Builds the trainer's own learner (`jaxloop.train.setup.TrainSetup`) on a mesh of fake CPU devices,
+then lowers and compiles its jitted `update(state, batch)` (and `old_logprobs`) from abstract inputs
 (`jax.ShapeDtypeStruct` with the train state's shardings): nothing is allocated. Prints, per
 algorithm, the per-device argument, output, alias (donated), temporary and total bytes from
 `compiled.memory_analysis()` (total = arguments + outputs - aliased + temporaries), as a table
@@ -134,7 +134,7 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     from jaxloop.models import LoopedConfig, tiny_hf_config
     from jaxloop.models.presets import FULL_SIZE
     from jaxloop.parallel import mesh as shd
-    from jaxloop.train import Training
+    from jaxloop.train.setup import TrainSetup
 
     hf = tiny_hf_config("nanbeige") if args.config == "tiny" else dict(FULL_SIZE[args.config])
     model_cfg = LoopedConfig.from_hf_dict(hf).replace(
@@ -157,7 +157,7 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
         cfg.mesh[axis] = size
     validate_mesh(cfg, jax.device_count(), model_cfg)
     mesh = shd.make_mesh(**mesh_sizes)
-    training = Training(cfg, model_cfg, mesh)
+    training = TrainSetup(cfg, model_cfg, mesh)
     learner = training.learner
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

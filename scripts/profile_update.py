@@ -4,9 +4,9 @@
     python scripts/profile_update.py --models A --variant unrolled:model.scan_layers=false \\
         --variant mb16:micro_batch_size=16 --hlo-stats
 
-Builds jaxloop's learner (`jaxloop.train.Training`) for the benchmark's work (GRPO, 64 samples,
-one AdamW step per rollout, one micro-batch of 64, fp32, the bench_peers model shapes) and a
-synthetic rollout batch of the benchmark's lengths (10-token prompts, responses of 1..32 tokens,
+Builds jaxloop's learner (`jaxloop.train.setup.TrainSetup`) for the benchmark's work (GRPO, 64
+samples, one AdamW step per rollout, one micro-batch of 64, fp32, the bench_peers model shapes) and
+a synthetic rollout batch of the benchmark's lengths (10-token prompts, responses of 1..32 tokens,
 one of 32), then times, per variant and after a compile-and-warm-up round:
 
   old_logprobs   the separate forward (Learner.old_logprobs; what several steps per rollout run)
@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_peers  # noqa: E402  (scripts/, stdlib only)
 
-from jaxloop import train  # noqa: E402
-from jaxloop.config import parse_args  # noqa: E402
+from jaxloop.config import parse_args, validate_mesh  # noqa: E402
 from jaxloop.parallel import mesh as shd  # noqa: E402
 from jaxloop.rl.batch import RolloutBatch  # noqa: E402
 from jaxloop.rl.learner import metrics_to_host  # noqa: E402
+from jaxloop.train.build import actor_config  # noqa: E402
+from jaxloop.train.setup import TrainSetup  # noqa: E402
 
 LEARNER_KEYS = (
     "micro_batch_size",
@@ -75,9 +76,9 @@ def build(model: str, overrides: dict, algorithm: str):
     argv = ["--config", f"{algorithm}.py", "--config.run_dir=/tmp/profile_update_unused"]
     argv += [f"--config.{k}={v}" for k, v in keys.items()]
     cfg = parse_args(argv)
-    model_cfg = train.actor_config(cfg)
-    mesh = shd.make_mesh(**train.validate_mesh(cfg, jax.device_count(), model_cfg))
-    training = train.Training(cfg, model_cfg, mesh)
+    model_cfg = actor_config(cfg)
+    mesh = shd.make_mesh(**validate_mesh(cfg, jax.device_count(), model_cfg))
+    training = TrainSetup(cfg, model_cfg, mesh)
     return cfg, training
 
 

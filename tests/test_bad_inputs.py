@@ -37,7 +37,8 @@ from flax import nnx
 from jaxloop.config import DOMAINS, base_config, flat_items, validate
 from jaxloop.io.hf import read_safetensors, save_hf, write_safetensors
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.train import main, resume_changes_math
+from jaxloop.train.checkpoint import resume_changes_math
+from jaxloop.train.cli import main
 from tests.train.helpers import TINY
 
 ALGO = "ppo"
@@ -1106,7 +1107,8 @@ def test_init_checkpoint_without_checkpoints(existing, tmp_path, capsys):
 def test_failure_after_the_run_dir_was_created_removes_it(tmp_path, capsys, monkeypatch):
     """The net under every check: a user error raised after the fresh run dir was written (here
     by the first update) removes what this start created, and only that."""
-    import jaxloop.train as train
+    from jaxloop.data.datasets import DataError
+    from jaxloop.train.loop import Trainer
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -1114,9 +1116,9 @@ def test_failure_after_the_run_dir_was_created_removes_it(tmp_path, capsys, monk
 
     def fail(self, update, last, bar):
         assert (self.run_dir / "config.json").is_file()  # written by now
-        raise train.DataError("simulated bad data at update 0")
+        raise DataError("simulated bad data at update 0")
 
-    monkeypatch.setattr(train.Trainer, "one_update", fail)
+    monkeypatch.setattr(Trainer, "one_update", fail)
     before = _contents(tmp_path)
     _refused(_argv(run_dir), capsys, "simulated bad data at update 0")
     assert _contents(tmp_path) == before
@@ -1124,7 +1126,7 @@ def test_failure_after_the_run_dir_was_created_removes_it(tmp_path, capsys, monk
 
 # ---- the boundary: user errors are one line, anything else is a bug with its traceback ----
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
-    import jaxloop.train as train
+    import jaxloop.train.cli as train
 
     def broken(cfg):
         raise RuntimeError("a bug, not a bad input")
@@ -1137,7 +1139,7 @@ def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
 
 def test_a_bug_exits_1_with_a_traceback_in_a_fresh_process(tmp_path):
     code = (
-        "import sys, jaxloop.train as t\n"
+        "import sys, jaxloop.train.cli as t\n"
         "def bug(cfg):\n    raise ZeroDivisionError('bug')\n"
         "t.preflight = bug\n"
         f"sys.exit(t.main(['--config', 'ppo.py', '--config.run_dir={tmp_path / 'run'}']))\n"

@@ -36,7 +36,7 @@ from jaxloop.launch import main as launch_main
 from jaxloop.models import LoopedConfig, tiny_hf_config
 from jaxloop.models.digests import DIGEST_FILE, TRASH_DIR, verify_step
 from jaxloop.plot import main as plot_main
-from jaxloop.train import main as train_main
+from jaxloop.train.cli import main as train_main
 from tests.test_bad_inputs import (
     ALGO,
     BASE,

@@ -15,7 +15,7 @@ from jaxloop.config import (
     format_help,
     load_config_file,
 )
-from jaxloop.train import main
+from jaxloop.train.cli import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 KEYS = dict(flat_items(base_config()))

@@ -8,7 +8,7 @@ import pytest
 
 from jaxloop.config import CONFIGS_DIR, load_config_file, validate, validate_mesh
 from jaxloop.io.hf import abstract_model
-from jaxloop.train import actor_config
+from jaxloop.train.build import actor_config
 
 CONFIG_FILES = sorted(p.name for p in Path(CONFIGS_DIR).glob("*.py"))
 

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from jaxloop.summary import completed_update, finish_report, summary_rows
+from jaxloop.io.run_dir import completed_update
+from jaxloop.summary import finish_report, summary_rows
 
 
 def _rows():

@@ -46,35 +46,19 @@ from jaxloop.io.hf import (
     write_hf,
 )
 from jaxloop.io.hf_walk import hf_entries, hf_view
+from jaxloop.io.run_dir import (  # the run dir layout's one owner
+    CHECKPOINT_DIR,
+    TOKENIZER_DIR,
+    RunDirError,
+    config_file,
+    params_item,
+)
 from jaxloop.models import digests
 from jaxloop.models.config import ConfigError, LoopedConfig
-from jaxloop.models.looped import ROLES, LoopedLM
+from jaxloop.models.looped import LoopedLM
 from jaxloop.parallel.mesh import shardings_for
 
-CHECKPOINT_DIR = "checkpoints"
-TOKENIZER_DIR = "tokenizer"
 RESTORE_BUDGET_BYTES = 10**9  # default in-flight read budget within one parameter
-
-
-class RunDirError(ValueError):
-    """A run directory is missing, holds no checkpoint, or lacks the asked-for role or step."""
-
-
-def params_item(role: str) -> str:
-    """Name of the composite item holding a role's weights."""
-    _check_role(role)
-    return f"{role}_params"
-
-
-def config_file(role: str) -> str:
-    """File name (inside the run dir) of a role's HF config dict."""
-    _check_role(role)
-    return f"{role}_config.json"
-
-
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise RunDirError(f"role={role!r}; expected one of {ROLES}")
 
 
 # ---- save --------------------------------------------------------------------------------------

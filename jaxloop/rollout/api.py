@@ -66,7 +66,14 @@ class RolloutEngine(Protocol):
 
 class RolloutSource(Protocol):
     """What the Trainer uses: the embedded RolloutProducer, or the RayRolloutClient in front of
-    engine actors."""
+    engine actors. The trainer knows a source by these capabilities, never by its engine's name."""
+
+    # generates on the learner's devices: the trainer's thread generates the batches ahead
+    # (two programs at once on the same devices may deadlock on their collectives); False:
+    # remote engines generate in the background while the learner trains
+    shares_devices: bool
+    # its samples carry the sampler's per-loop log-probs, checked against the trainer's per loop
+    loop_logprobs: bool
 
     def publish(self, policy: Policy) -> PublishStats:
         """Serve `policy` from now on (all-or-nothing; PublicationError keeps the old one)."""

@@ -67,6 +67,10 @@ class RolloutProducer:
     """The RolloutSource of the embedded engine (and, inside the Ray manager, over an engine
     group)."""
 
+    # capabilities (RolloutSource), as the trainer's embedded source
+    shares_devices = True
+    loop_logprobs = True
+
     def __init__(self, settings: ProducerSettings, engine):
         self.settings = settings
         self.engine = engine

@@ -2,7 +2,7 @@
 exports what the peers need to do the same work:
 
   OUT/model/          the actor jaxloop initialises for that command line (same seed, same init
-                      code path: jaxloop.train.build_actor) as an HF fp32 checkpoint (save_hf);
+                      code path: models.build.build_actor) as an HF fp32 checkpoint (save_hf);
                       TRL trains exactly this function from exactly these weights
   OUT/prompts.json    the prompts (and labels, token ids) jaxloop's data source hands out, in
                       order, for `--updates` updates of `prompts_per_update` prompts
@@ -43,13 +43,14 @@ def main() -> int:
     from jaxloop.data.datasets import make_source
     from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer
     from jaxloop.io.hf import save_hf
-    from jaxloop.train import build_actor, producer_settings
+    from jaxloop.train.build import build_actor
+    from jaxloop.train.setup import actor_seed, producer_settings
 
     cfg = parse_args(train_argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model = build_actor(cfg)  # the same init as a training run's fresh state
+    model = build_actor(cfg, actor_seed(cfg))  # the same init as a training run's fresh state
     save_hf(model, out / "model", dtype="float32", overwrite=True)
 
     source = make_source(producer_settings(cfg, True).data)

@@ -15,7 +15,7 @@ from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
-from jaxloop.train import build_critic
+from jaxloop.train.build import build_critic
 
 CFG = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_hidden_layers=1))
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.losses import POLICY_LOSSES, LossInputs, reduce_loss
-from jaxloop.train import main
+from jaxloop.train.cli import main
 from tests.rl.test_learner import CFG, _arrays, _Run
 from tests.rl.test_packing import PACK
 from tests.rl.test_packing import _batch as _long_tailed_batch

@@ -9,7 +9,7 @@ import pytest
 
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.packing import pack_groups, row_bucket
-from jaxloop.train import main
+from jaxloop.train.cli import main
 from tests.rl.test_learner import CFG, _Run
 from tests.train.helpers import TINY, UNIT, read_rows, stable
 

@@ -31,7 +31,8 @@ from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors, tensor_hashes
 from jaxloop.rollout.ray.group import split_evenly
-from jaxloop.train import build_actor, producer_settings
+from jaxloop.train.build import build_actor
+from jaxloop.train.setup import actor_seed, producer_settings
 from tests.rollout.ray_debug import DebugRayRolloutClient
 
 pytestmark = pytest.mark.slow
@@ -61,11 +62,11 @@ def _cfg(seed: int = 0):
 class Bridge:
     def __init__(self):
         cfg = _cfg()
-        self.actor = build_actor(cfg)
+        self.actor = build_actor(cfg, actor_seed(cfg))
         self.settings = producer_settings(cfg, requires_groups=True)
         self.policies = {
             "A": nnx.split(self.actor)[1],
-            "B": nnx.split(build_actor(_cfg(seed=1)))[1],
+            "B": nnx.split(build_actor(_cfg(seed=1), actor_seed(_cfg(seed=1))))[1],
         }
         start = time.perf_counter()
         self.client = DebugRayRolloutClient(cfg, self.actor, self.settings, engine_kind="jax")
@@ -89,7 +90,9 @@ class Bridge:
     def reference(self, which: str) -> RolloutProducer:
         """An in-process producer serving policy `which` (its own data cursor)."""
         if which not in self.refs:
-            producer = RolloutProducer(self.settings, JaxSamplerEngine(build_actor(_cfg())))
+            producer = RolloutProducer(
+                self.settings, JaxSamplerEngine(build_actor(_cfg(), actor_seed(_cfg())))
+            )
             producer.publish(self.policy(which))
             self.refs[which] = producer
         return self.refs[which]
@@ -136,7 +139,7 @@ def strip(stats: dict) -> dict:
 
 def test_driver_imports_neither_torch_nor_vllm():
     code = (
-        "import sys, jaxloop.train, jaxloop.rollout.ray.client; "
+        "import sys, jaxloop.train.cli, jaxloop.rollout.ray.client; "
         "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
@@ -380,7 +383,7 @@ def test_publish_bandwidth_is_reported(bridge):
 
 def _altered(bridge, which: str, scale: dict[str, float]):
     """Policy `which` with the parameters named in `scale` multiplied (the others untouched)."""
-    model = build_actor(_cfg())
+    model = build_actor(_cfg(), actor_seed(_cfg()))
     nnx.update(model, bridge.policies[which])  # its values (immutable arrays), not its Variables
     for path, factor in scale.items():
         obj = model
@@ -506,7 +509,11 @@ class VLLMBridge:
         cfg.model.head_dim = 32
         cfg.rollout.engine = "vllm"
         cfg.rollout.num_engines = 1
-        self.models = {"A": build_actor(cfg), "B": build_actor(_cfg_seed(cfg, 1))}
+        cfg_b = _cfg_seed(cfg, 1)
+        self.models = {
+            "A": build_actor(cfg, actor_seed(cfg)),
+            "B": build_actor(cfg_b, actor_seed(cfg_b)),
+        }
         for model in self.models.values():  # sharpen: the default init gives ~uniform log-probs
             for name, scale in (("q_proj", 8.0), ("k_proj", 8.0), ("v_proj", 4.0)):
                 param = getattr(model.blocks, name)

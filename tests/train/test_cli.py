@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxloop.io.hf import save_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.train import main
+from jaxloop.train.cli import main
 from tests.train.helpers import TINY, read_rows, run_train
 
 
@@ -140,7 +140,7 @@ def test_finished_run_summary_resume_and_rerun(tmp_path, capsys, monkeypatch):
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["checkpoint"] == str(run_dir / "checkpoints" / "2")
 
-    import jaxloop.train as train
+    import jaxloop.train.cli as train
 
     def no_trainer(*args, **kwargs):
         raise AssertionError("a finished run built a Trainer")

@@ -6,8 +6,9 @@ import jax
 import pytest
 from jax._src import dispatch
 
-from jaxloop import train
 from jaxloop.rl.batch import RolloutBatch
+from jaxloop.train import cli as train_cli
+from jaxloop.train.loop import Trainer
 from tests.train.helpers import TINY
 
 LOWERING_EVENT = dispatch.JAXPR_TO_MLIR_MODULE_EVENT
@@ -31,7 +32,7 @@ def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config,
         rows.append(batch.tokens.shape[1])
         return batch
 
-    one_update = train.Trainer.one_update
+    one_update = Trainer.one_update
     per_update = []
 
     def counted(self, update, last, bar):
@@ -40,10 +41,10 @@ def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config,
         per_update.append((update, rows[-1], lowerings[0] - before))
 
     monkeypatch.setattr(RolloutBatch, "from_samples", staticmethod(recorded))
-    monkeypatch.setattr(train.Trainer, "one_update", counted)
+    monkeypatch.setattr(Trainer, "one_update", counted)
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        code = train.main(
+        code = train_cli.main(
             [
                 "--config",
                 config,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.train import LogprobMismatchError, check_engine_logprobs, main
+from jaxloop.train.cli import main
+from jaxloop.train.consistency import LogprobMismatchError, check_engine_logprobs
 from tests.train.helpers import UNIT, read_rows
 from tests.train.test_early_exit_train import LOOPS, OURO
 

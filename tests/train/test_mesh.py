@@ -14,8 +14,9 @@ from conversion.to_hf import main as to_hf
 from jaxloop.config import apply_override, load_config_file
 from jaxloop.io.hf import checkpoint_files, read_safetensors
 from jaxloop.parallel import mesh as shd
-from jaxloop.train import Training, actor_config
-from jaxloop.train import main as train_main
+from jaxloop.train.build import actor_config
+from jaxloop.train.cli import main as train_main
+from jaxloop.train.setup import TrainSetup
 from tests.train.helpers import TINY, run_train
 from tests.xla_flags import TEST_XLA_FLAGS
 
@@ -150,14 +151,14 @@ def test_fsdp8_shards_parameter_bytes():
     state's bytes plus the replicated vectors; on one device the same check fails."""
     cfg = _config(("mesh.fsdp", 8))
     model_cfg = actor_config(cfg)
-    training = Training(cfg, model_cfg, shd.make_mesh(fsdp=8))
+    training = TrainSetup(cfg, model_cfg, shd.make_mesh(fsdp=8))
     state = training.fresh_state()
     for tree in (state.actor_params, state.critic_params, state.actor_opt):
         shd.assert_params_sharded(tree, 8)
     held = shd.per_device_bytes(state.actor_params)
     total = sum(x.nbytes for x in jax.tree.leaves(state.actor_params))
     assert len(held) == 8 and max(held.values()) < total / 4
-    single = Training(cfg, model_cfg, shd.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+    single = TrainSetup(cfg, model_cfg, shd.make_mesh(fsdp=1, devices=jax.devices()[:1]))
     with pytest.raises(AssertionError, match="holds"):
         shd.assert_params_sharded(single.fresh_state().actor_params, 8)
 
@@ -204,7 +205,7 @@ def test_embedded_sampler_generates_with_the_trainer_arrays(tmp_path):
     """Publication into the embedded sampler is zero-copy: after publish() the engine holds the
     train state's own (sharded) arrays, and generates on the mesh."""
     from jaxloop.rollout.types import PromptRequest, SamplingConfig
-    from jaxloop.train import Trainer
+    from jaxloop.train.loop import Trainer
 
     cfg = _config(("mesh.fsdp", 8), ("run_dir", str(tmp_path / "run")))
     trainer = Trainer(cfg)

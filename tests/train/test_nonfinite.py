@@ -38,7 +38,7 @@ def test_nan_batch_is_not_applied():
 
 
 def test_run_stops_after_consecutive_skips(tmp_path, capsys):
-    from jaxloop.train import main
+    from jaxloop.train.cli import main
 
     run_dir = tmp_path / "run"
     code = main(

@@ -66,6 +66,10 @@ class RayRolloutClient:
     """
 
     manager_actor = RolloutManager  # the manager's actor class (tests: one with debug hooks)
+    # capabilities (RolloutSource): engines on their own devices, generating while the learner
+    # trains; no per-loop log-probs
+    shares_devices = False
+    loop_logprobs = False
 
     def __init__(self, cfg, actor_model, settings, *, engine_kind: str | None = None):
         self.cfg = cfg

@@ -1,0 +1,5 @@
+import sys
+
+from jaxloop.train.cli import main
+
+sys.exit(main())

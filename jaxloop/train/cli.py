@@ -1,0 +1,237 @@
+"""`python -m jaxloop.train --config flow_dppo.py [--config.key=value ...]`: the command line.
+
+Checks the config and its inputs before anything is built or written (`preflight`, also a dry
+run's), then runs a `Trainer`. Exit codes: 0 done (or already complete); 2 a user error, one line
+on stderr, and what a fresh start had created is removed again; 3 a run stopped by a log-prob
+mismatch or non-finite updates; 1 anything else (a bug, with its traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from jaxloop import errors
+from jaxloop.config import UsageError, format_tree, parse_command
+from jaxloop.data.tokenizer import TokenizerError
+from jaxloop.io.run_dir import checkpoint_steps, completed_update
+from jaxloop.models import ConfigError, LoopedConfig
+from jaxloop.rl.algorithms import get_algorithm
+from jaxloop.rollout.producer import RolloutProducer
+from jaxloop.summary import finish_report
+from jaxloop.train.build import actor_config
+from jaxloop.train.checkpoint import FreshStartCleanup, check_fresh_start, check_resume_config
+from jaxloop.train.consistency import STOPPED_RUN_ERRORS
+from jaxloop.train.loop import Trainer
+from jaxloop.train.setup import checked_loss_hparams, logprob_bound, run_producer_settings
+
+
+def _stored_vocab_size(cfg) -> int:
+    """The vocabulary of the model a run starts from, read from its config file (dry run: no
+    model is built); the config's model.vocab_size for the built-in model."""
+    m = cfg.model
+    for path in (
+        Path(m.hf_dir) / "config.json" if m.hf_dir else None,
+        Path(m.init_checkpoint) / "actor_config.json" if m.init_checkpoint else None,
+    ):
+        if path is not None and path.is_file():
+            try:
+                return int(json.loads(path.read_text())["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"{path}: no integer vocab_size") from None
+    return int(m.vocab_size)
+
+
+def check_model_source(cfg) -> LoopedConfig:
+    """model.init_checkpoint holds a checkpoint, and the model's own rules hold (query heads
+    divisible by key/value heads, an even head_dim, ...): the actor's LoopedConfig. Reads only;
+    a dry run makes these checks too (train and sft)."""
+    if cfg.model.init_checkpoint and not checkpoint_steps(cfg.model.init_checkpoint):
+        raise UsageError(
+            f"model.init_checkpoint={cfg.model.init_checkpoint!r} holds no checkpoint "
+            "(checkpoints/<step>/): give a run dir written by jaxloop.train, jaxloop.sft or "
+            "conversion.from_hf"
+        )
+    return actor_config(cfg)
+
+
+def check_sft_keys_read(cfg) -> None:
+    """A training run reads the sft.* keys and the other warm_start.* keys only for its warm
+    start: one changed from its default while warm_start.sft_steps is 0 would be silently
+    ignored, so it is refused."""
+    from jaxloop.config import base_config, flat_items
+
+    if cfg.warm_start.sft_steps > 0:
+        return
+    base = base_config()
+    for section in ("sft", "warm_start"):
+        defaults = dict(flat_items(base[section]))
+        for key, value in flat_items(cfg[section]):
+            if key != "sft_steps" and value != defaults[key]:
+                raise UsageError(
+                    f"{section}.{key}={value!r} is read only by a warm start and "
+                    "warm_start.sft_steps is 0: set sft_steps > 0 (or run python -m "
+                    f"jaxloop.sft), or --config.{section}.{key}={defaults[key]!r} as well"
+                )
+
+
+def preflight(cfg):
+    """The checks a run makes before it builds a model or writes anything (a dry run makes them
+    too): loss hyper-parameters; model.hf_dir's config.json, index and tensor headers (names,
+    shapes, dtypes; headers only); the data source, the tokenizer (its vocabulary must fit the
+    model's), the reward (it must return a number) and every prompt's length. Returns the
+    algorithm."""
+    from jaxloop.io.hf import check_hf_dir
+
+    algo = get_algorithm(cfg.algorithm)
+    checked_loss_hparams(cfg)
+    check_sft_keys_read(cfg)
+    if cfg.model.hf_dir:
+        check_hf_dir(cfg.model.hf_dir)
+    check_model_source(cfg)
+    vocab = _stored_vocab_size(cfg)
+    settings = run_producer_settings(cfg, algo.requires_groups, vocab)
+    producer = RolloutProducer(settings, engine=None)  # the data / tokenizer / reward errors
+    if producer.tokenizer.vocab_size > vocab:
+        raise TokenizerError(
+            f"data.tokenizer={cfg.data.tokenizer!r} has {producer.tokenizer.vocab_size} tokens, "
+            f"more than the model's vocabulary of {vocab}: its ids would index past the embedding"
+        )
+    return algo
+
+
+def check_writable(run_dir) -> None:
+    """UsageError unless a file can be created, written and synced in run_dir (a new one: in its
+    nearest existing parent); the probe file is removed. A read-only or full file system fails
+    here, before anything is written."""
+    path = Path(run_dir).resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"run_dir {str(path)!r} exists and is not a directory")
+    where = path
+    while not where.exists():
+        where = where.parent
+    probe = where / f".jaxloop-write-probe-{os.getpid()}"
+    times = where.stat()
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise UsageError(
+            f"run_dir {str(path)!r} is not writable: {err.strerror or err} (in {where})"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+            os.utime(where, ns=(times.st_atime_ns, times.st_mtime_ns))  # the probe leaves no trace
+
+
+def run_dir_status(cfg) -> str:
+    done = completed_update(cfg.run_dir)
+    if done is None:
+        return "new" if not Path(cfg.run_dir).exists() else "no checkpoint: starts at update 0"
+    if done >= cfg.total_updates:
+        return f"already complete: update {done} of {cfg.total_updates}"
+    return f"resumes at update {done} of {cfg.total_updates}"
+
+
+def dry_run(cfg) -> str:
+    """The checks a real run makes before it builds a model (config, loss hyper-parameters,
+    data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
+    algo = preflight(cfg)
+    done = completed_update(cfg.run_dir)
+    if done is None or done < cfg.total_updates:
+        check_resume_config(cfg, Path(cfg.run_dir).resolve())
+        check_fresh_start(cfg, Path(cfg.run_dir).resolve())
+    steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
+    bound = logprob_bound(cfg)
+    return "\n".join(
+        [
+            format_tree(cfg),
+            "resolved:",
+            f"  updates_per_rollout = {steps}",
+            f"  rollout.max_logprob_diff = {bound:g}",
+            f"  run_dir = {str(Path(cfg.run_dir).resolve())!r} ({run_dir_status(cfg)})",
+            "dry run: the config is valid; nothing was written",
+        ]
+    )
+
+
+def _report(cfg, trainer, started: float) -> None:
+    """The end-of-run summary on stderr (process 0 only); writes curves.png."""
+    if trainer is None or jax.process_index() != 0:
+        return
+    print(
+        finish_report(
+            cfg.run_dir,
+            getattr(trainer, "start_update", 0),
+            time.perf_counter() - started,
+            cfg.total_updates,
+        ),
+        file=sys.stderr,
+    )
+
+
+def run_cleaning_up(body) -> int:
+    """`body(cleanup)` behind the entry points' boundary (jaxloop/errors.py); `body` appends a
+    FreshStartCleanup for every fresh start it makes, and a user error undoes them all."""
+    cleanup: list[FreshStartCleanup] = []
+
+    def undo(err) -> None:
+        for fresh in cleanup:
+            fresh.undo(err)
+
+    return errors.run_entry_point(lambda: body(cleanup), on_user_error=undo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxloop.train`. One exception boundary (jaxloop/errors.py): a user error is one
+    line on stderr and exit code 2, and what a fresh start had created is removed again; a run
+    stopped by a log-prob mismatch or non-finite updates exits with code 3; anything else is a
+    bug and keeps its traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
+
+
+def _main(argv: list[str], cleanup: list) -> int:
+    started = time.perf_counter()
+    command = parse_command(argv)
+    if command.help:
+        print(command.help)
+        return 0
+    cfg = command.cfg
+    if command.dry_run:
+        print(dry_run(cfg))
+        return 0
+    # before anything is built or written: a finished run dir is reported, not re-entered
+    done = completed_update(cfg.run_dir)
+    if done is not None and done >= cfg.total_updates:
+        print(
+            f"run already complete: update {done} of {cfg.total_updates} "
+            "(raise --config.total_updates to continue)",
+            file=sys.stderr,
+        )
+        return 0
+    preflight(cfg)
+    check_writable(cfg.run_dir)
+    cleanup.append(FreshStartCleanup(cfg.run_dir))
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        code = trainer.run()
+    except STOPPED_RUN_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        _report(cfg, trainer, started)
+        return 3
+    _report(cfg, trainer, started)
+    print(json.dumps({"run_dir": str(cfg.run_dir)}))
+    return code

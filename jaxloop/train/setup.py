@@ -1,0 +1,268 @@
+"""From the config to the training components: loss and learner settings, the TrainState's
+shardings and builders (`TrainSetup`), the producer settings and the rollout source. The one
+place that maps config keys onto components, and the one that knows the engines by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from jaxloop.config import UsageError, default_logprob_diff, parse_loop_budget
+from jaxloop.io.hf import abstract_model
+from jaxloop.models import LoopedConfig, LoopedLM
+from jaxloop.parallel import mesh as shd
+from jaxloop.rl.advantages import AdvantageHParams
+from jaxloop.rl.algorithms import get_algorithm
+from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig, make_optimizer
+from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.state import (
+    TrainState,
+    abstract_params,
+    abstract_train_state,
+    build_train_state,
+    state_shardings,
+)
+from jaxloop.rollout.api import RolloutSource
+from jaxloop.rollout.producer import ProducerSettings, RolloutProducer, derive_seed
+from jaxloop.rollout.types import SamplingConfig
+from jaxloop.train.build import critic_from_actor, init_actor_params
+
+ACTOR_SEED, CRITIC_SEED = 0xA, 0xC  # tags of the random inits' seeds (derive_seed)
+
+
+def actor_seed(cfg) -> int:
+    """The seed of a fresh actor's random init (the trainer's, tests', scripts')."""
+    return derive_seed(cfg.seed, ACTOR_SEED)
+
+
+def loss_hparams(cfg) -> LossHParams:
+    a = cfg.algo
+    opt = lambda v: None if v < 0 else float(v)
+    return LossHParams(
+        clip_eps=a.clip_eps,
+        clip_eps_high=opt(a.clip_eps_high),
+        dual_clip=opt(a.dual_clip),
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        behav_weight_min=a.behav_weight_min,
+        behav_weight_max=a.behav_weight_max,
+        behav_drop_cap=opt(a.behav_drop_cap),
+        flow_delta=a.flow_delta,
+        value_clip=opt(a.value_clip),
+        reduction=a.reduction,
+        value_loss_scale=cfg.critic.loss_scale,
+        entropy_coef=a.entropy_coef,
+    )
+
+
+def checked_loss_hparams(cfg) -> LossHParams:
+    """loss_hparams, a bad value a UsageError (one line, exit 2)."""
+    try:
+        return loss_hparams(cfg)
+    except ValueError as err:
+        raise UsageError(f"algo: {err}") from None
+
+
+def uses_reference(cfg) -> bool:
+    """A KL-to-reference term is on: in the loss (GRPO) or in the rewards (the critic family)."""
+    return cfg.algo.kl_coef > 0
+
+
+def logprob_bound(cfg) -> float:
+    """The engine-vs-trainer log-prob bound: rollout.max_logprob_diff, or the engine's and
+    dtype's default."""
+    rollout = cfg.rollout
+    return rollout.max_logprob_diff or default_logprob_diff(rollout.engine, cfg.model.compute_dtype)
+
+
+def learner_config(cfg, steps: int) -> LearnerConfig:
+    return LearnerConfig(
+        micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+        updates_per_rollout=steps,
+        critic_steps=cfg.critic.steps_per_rollout,
+        logits_chunk=cfg.model.logits_chunk,
+        pack_tokens=cfg.learner.pack_tokens,
+        loop_credit=cfg.algo.loop_credit,
+        advantage=AdvantageHParams(
+            gamma=cfg.algo.gamma,
+            lam=cfg.algo.lam,
+            kl_coef=cfg.algo.kl_coef,
+            whiten=cfg.algo.whiten_advantages,
+            grpo_use_std=cfg.algo.grpo_use_std,
+        ),
+    )
+
+
+class TrainSetup:
+    """The learner and the shardings of its state, built from the config on a mesh."""
+
+    def __init__(self, cfg, model_cfg: LoopedConfig, mesh):
+        algo = get_algorithm(cfg.algorithm)
+        hparams = checked_loss_hparams(cfg)
+        self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
+        steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
+        o = cfg.optim
+        total = cfg.total_updates * steps
+        self.actor_tx = make_optimizer(
+            o.name, o.lr, o.schedule, o.warmup_steps, total, o.weight_decay, o.b1, o.b2, o.grad_clip
+        )
+        self.actor_abstract = abstract_model(model_cfg, "actor")
+        actor_graphdef = nnx.split(self.actor_abstract)[0]
+        self.critic_abstract = self.critic_tx = critic_graphdef = None
+        if algo.uses_critic:
+            self.critic_abstract = abstract_model(model_cfg, "critic")
+            critic_graphdef = nnx.split(self.critic_abstract)[0]
+            self.critic_tx = make_optimizer(
+                o.name, cfg.critic.lr, "constant", 0, total, 0.0, o.b1, o.b2, o.grad_clip
+            )
+        critic = self.critic_abstract
+        self.shardings = state_shardings(
+            mesh,
+            shd.shardings_for(self.actor_abstract, mesh),
+            abstract_params(self.actor_abstract),
+            self.actor_tx,
+            None if critic is None else shd.shardings_for(critic, mesh),
+            None if critic is None else abstract_params(critic),
+            self.critic_tx,
+            with_reference=uses_reference(cfg),
+        )
+        lcfg = learner_config(cfg, steps)
+        self._learner_args = (algo, hparams, lcfg, self.actor_tx, self.critic_tx)
+        self._learner_kwargs = dict(
+            mesh=mesh,
+            state_shardings=self.shardings,
+            offload=OffloadConfig(
+                critic=cfg.offload.critic,
+                optimizer=cfg.offload.optimizer,
+                reference=cfg.offload.reference,
+            ),
+        )
+        self.learner = Learner(
+            actor_graphdef, critic_graphdef, *self._learner_args, **self._learner_kwargs
+        )
+        self._budget_learners = {model_cfg.num_loops: self.learner}
+
+    def learner_for(self, loops: int | None) -> Learner:
+        """The learner whose actor, reference and critic run `loops` loops (a loop budget; None:
+        all): the same parameters under graphdefs of config.num_loops = K, so a K-loop update
+        costs K loops; built (and compiled) once per distinct K."""
+        loops = self.model_cfg.num_loops if loops is None else loops
+        if loops not in self._budget_learners:
+            budget_cfg = self.model_cfg.replace(num_loops=loops)
+            actor = nnx.split(abstract_model(budget_cfg, "actor"))[0]
+            critic = None
+            if self.critic_abstract is not None:
+                critic = nnx.split(abstract_model(budget_cfg, "critic"))[0]
+            self._budget_learners[loops] = Learner(
+                actor, critic, *self._learner_args, **self._learner_kwargs
+            )
+        return self._budget_learners[loops]
+
+    def fresh_state(self, actor: dict | None = None) -> TrainState:
+        """A new TrainState around `actor` (default: the configured initial weights); the
+        critic copies its backbone, the reference its parameters, optimizer states are fresh."""
+        cfg = self.cfg
+        if actor is None:
+            actor = self.initial_actor()
+        critic = None
+        if self.critic_abstract is not None:
+            seed = derive_seed(cfg.seed, CRITIC_SEED)
+            critic = jax.jit(
+                lambda a: critic_from_actor(a, self.model_cfg, seed),
+                out_shardings=self.shardings.critic_params,
+            )(actor)
+        return build_train_state(
+            actor, self.actor_tx, critic, self.critic_tx, shardings=self.shardings, seed=cfg.seed
+        )
+
+    def abstract_state(self) -> TrainState:
+        return abstract_train_state(
+            abstract_params(self.actor_abstract),
+            self.actor_tx,
+            None if self.critic_abstract is None else abstract_params(self.critic_abstract),
+            self.critic_tx,
+            with_reference=uses_reference(self.cfg),
+        )
+
+    def initial_actor(self) -> dict:
+        """The configured initial actor parameters on their shardings."""
+        shardings = self.shardings.actor_params
+        return init_actor_params(
+            self.cfg, self.model_cfg, self.mesh, shardings, actor_seed(self.cfg)
+        )
+
+    def policy(self, state: TrainState) -> nnx.State:
+        """The actor parameters of `state` as the nnx.State engines take (no copy)."""
+        return self.policy_of(state.actor_params)
+
+    def policy_of(self, actor_params: dict) -> nnx.State:
+        policy = nnx.state(self.actor_abstract)
+        nnx.replace_by_pure_dict(policy, actor_params)
+        return policy
+
+    def actor_model(self, state: TrainState) -> LoopedLM:
+        return nnx.merge(nnx.graphdef(self.actor_abstract), self.policy(state))
+
+
+def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
+    return ProducerSettings(
+        seed=cfg.seed,
+        data={
+            "source": cfg.data.source,
+            "eval_source": cfg.data.eval_source,
+            "task": cfg.data.task,
+            "num_digits": cfg.data.num_digits,
+            "seed": cfg.seed,
+        },
+        tokenizer=cfg.data.tokenizer,
+        vocab_size=cfg.model.vocab_size,
+        reward=cfg.data.reward,
+        prompts_per_update=cfg.prompts_per_update,
+        n_samples_per_prompt=cfg.n_samples_per_prompt,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        eval_prompts=cfg.eval_prompts,
+        requires_groups=requires_groups,
+        sampling=SamplingConfig(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            early_exit=cfg.rollout.early_exit,
+            exit_threshold=cfg.rollout.exit_threshold,
+            # per-loop credit: the embedded sampler's per-loop log-probs, checked per loop
+            # (vLLM engines have none)
+            loop_logprobs=cfg.algo.loop_credit != "last" and cfg.rollout.engine == "jax",
+        ),
+        loop_budget=parse_loop_budget(cfg.model.loop_budget),
+    )
+
+
+def run_producer_settings(cfg, requires_groups: bool, vocab_size: int) -> ProducerSettings:
+    """producer_settings for a run on a model of `vocab_size` tokens (the char tokenizer spans
+    the model's vocabulary)."""
+    settings = producer_settings(cfg, requires_groups)
+    if cfg.data.tokenizer == "char":
+        settings = dataclasses.replace(settings, vocab_size=vocab_size)
+    return settings
+
+
+def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
+    """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
+    if cfg.rollout.engine == "jax":
+        from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+
+        return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
+    from jaxloop.rollout.ray.client import RayRolloutClient
+
+    return RayRolloutClient(cfg, actor, settings)
+
+
+def engine_model(cfg, setup: TrainSetup, state: TrainState) -> LoopedLM:
+    """The model a source is built around: the embedded sampler takes the abstract actor (its
+    weights arrive by publication, zero-copy); Ray engines boot from the actor's weights."""
+    if cfg.rollout.engine == "jax":
+        return setup.actor_abstract
+    return setup.actor_model(state)
