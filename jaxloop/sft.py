@@ -217,13 +217,13 @@ def _covered(key: str, keys) -> bool:
 
 
 def _sft_resume_free(key: str) -> bool:
-    """Whether an SFT resume may change `key`: the trainer's rule (RESUME_FREE_KEYS and
-    RESUME_FREE_SECTIONS of train/checkpoint.py) with SFT's own additions and exceptions."""
-    from jaxloop.train.checkpoint import RESUME_FREE_KEYS, RESUME_FREE_SECTIONS
+    """Whether an SFT resume may change `key`: the trainer's rule (the knobs declared
+    resume=FREE, config.RESUME_FREE_KEYS) with SFT's own additions and exceptions."""
+    from jaxloop.config import RESUME_FREE_KEYS
 
     if key in SFT_RESUME_FIXED:
         return False
-    return key in SFT_RESUME_FREE or key in RESUME_FREE_KEYS or key.startswith(RESUME_FREE_SECTIONS)
+    return key in SFT_RESUME_FREE or key in RESUME_FREE_KEYS
 
 
 def _sft_changes_math(cfg, key: str) -> bool:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop.config import UsageError
+from jaxloop.config import RESUME_FREE_KEYS, UsageError
 from jaxloop.io import run_dir as layout
 from jaxloop.io.orbax import check_step, older_step_offer, read_config, write_config
 from jaxloop.io.run_dir import (
@@ -146,40 +146,7 @@ class TrainCheckpointer:
 # that changes one is refused. total_updates is free under optim.schedule=constant only (cosine
 # and linear decay over it). Keys the run dir's config.json does not have (it predates them) are
 # not compared.
-RESUME_FREE_KEYS = frozenset(
-    {
-        "run_dir",
-        "stop_after",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "eval_every",
-        "eval_prompts",
-        "progress",
-        "verbose",
-        "micro_batch_size",
-        "model.hf_dir",
-        "model.init_checkpoint",
-        "model.remat",
-        "model.attention_impl",
-        "model.logits_chunk",
-        "model.scan_layers",
-        "learner.seq_multiple",
-        "data.eval_source",
-        "data.max_prompt_tokens",
-        "rollout.engine",
-        "rollout.max_logprob_diff",
-        "rollout.num_engines",
-        "rollout.ray_address",
-        "rollout.publish_bucket_mb",
-        "rollout.transport",
-        "rollout.publish",
-        "rollout.engine_timeout_s",
-        "rollout.publish_timeout_s",
-        "rollout.engine_log_level",
-        "optim.max_skipped_updates",
-    }
-)
-RESUME_FREE_SECTIONS = ("mesh.", "dist.", "draft_features.", "offload.")
+# RESUME_FREE_KEYS: the keys whose knob says resume=FREE (jaxloop/*/settings.py, config/schema.py)
 ARCHITECTURE_FIELDS = (
     "family",
     "vocab_size",
@@ -211,7 +178,7 @@ def flat_json(tree: dict, prefix: str = "") -> dict:
 
 def resume_changes_math(cfg, key: str) -> bool:
     """Whether `key` may not change when a run dir resumes (see RESUME_FREE_KEYS)."""
-    if key in RESUME_FREE_KEYS or key.startswith(RESUME_FREE_SECTIONS):
+    if key in RESUME_FREE_KEYS:
         return False
     if key == "total_updates":
         return cfg.optim.schedule != "constant"
