@@ -18,6 +18,7 @@ from typing import Any
 import ml_collections
 
 from jaxloop.data.tasks import DEFAULT_TASK
+from jaxloop.rl.loop_credit import LOOP_CREDITS
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -1147,9 +1148,6 @@ def loop_budget_at(schedule: tuple[tuple[int, int], ...], update: int) -> int | 
         if update >= start:
             loops = k
     return loops
-
-
-LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
 
 
 def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None:

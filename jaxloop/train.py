@@ -52,14 +52,10 @@ from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import (
-    Learner,
-    LearnerConfig,
-    OffloadConfig,
-    make_optimizer,
-    metrics_to_host,
-)
+from jaxloop.rl.learner import Learner, LearnerConfig, metrics_to_host
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.offload import OffloadConfig
+from jaxloop.rl.optim import make_optimizer
 from jaxloop.rl.state import (
     TrainState,
     abstract_params,
@@ -684,7 +680,6 @@ class Trainer:
             )
         metrics.update(metrics_to_host(update_metrics))
         self.warn_constant_values(update, metrics)
-        metrics.update(learner.last_moves)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         in_a_row, limit = int(self.state.consecutive_skips), cfg.optim.max_skipped_updates
         if in_a_row >= limit:  # nothing of this update is saved: the last checkpoint stays good

@@ -11,10 +11,10 @@ from jaxloop.models.families import hf_table
 from jaxloop.models.hf_mapping import iter_hf_tensors
 from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import token_logprobs
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine, _generate, filter_logprobs
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
+from tests.rl.oracle import token_logprobs
 
 T = 0.7
 
