@@ -45,7 +45,7 @@ from jaxloop.rl.losses import (
 )
 from jaxloop.rl.offload import OffloadConfig
 from jaxloop.rl.packing import pack_groups
-from jaxloop.rl.state import COUNTERS, TrainState
+from jaxloop.rl.state import COUNTERS, TrainState, advance_counters
 from jaxloop.rl.stats import LoopStats, ModelInputs, loop_stats, token_stats, token_values
 
 
@@ -154,7 +154,7 @@ class Learner:
             donate_argnums=(0, 1),
         )
         self._counters = jax.jit(
-            self._counters_impl,
+            advance_counters,
             in_shardings=(counters, rep, rep, rep),
             out_shardings=(counters, rep),
             donate_argnums=0,
@@ -572,21 +572,6 @@ class Learner:
         params, opt_state, ok = carry
         return params, opt_state, ok, metrics
 
-    @staticmethod
-    def _counters_impl(c: dict, first_ok, actor_ok, critic_ok) -> dict:
-        """The TrainState's counters after an update (`c`: `_counter_fields` of the state)."""
-        skipped = ~(actor_ok & critic_ok)
-        return dict(
-            step=c["step"] + 1,
-            # the version counts applied policy changes: a skipped update keeps it
-            policy_version=c["policy_version"] + first_ok.astype(jnp.int32),
-            consecutive_skips=jnp.where(skipped, c["consecutive_skips"] + 1, 0),
-            skipped_updates=c["skipped_updates"] + skipped.astype(jnp.int32),
-            rng=jax.random.key_data(
-                jax.random.fold_in(jax.random.wrap_key_data(c["rng"]), c["step"])
-            ),
-        ), skipped
-
     def _update_impl(self, state: TrainState, batch: dict, critic_only: bool = False):
         prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch)
         actor_params, actor_opt = state.actor_params, state.actor_opt
@@ -603,7 +588,7 @@ class Learner:
                 state.critic_params, state.critic_opt, batch, prepared
             )
             metrics.update(critic_metrics)
-        counted = self._counters_impl(_counter_fields(state), first_ok, actor_ok, critic_ok)
+        counted = advance_counters(state.counters, first_ok, actor_ok, critic_ok)
         trained = (actor_params, actor_opt, critic_params, critic_opt)
         new_state, metrics = _next_state(state, trained, counted, metrics)
         return (new_state, metrics) if "old_logprobs" in batch else (new_state, metrics, old_lp)
@@ -611,22 +596,10 @@ class Learner:
 
 def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict):
     """The state after an update: trained (actor params, actor opt, critic params, critic opt),
-    counted (the new counters, whether the update was skipped)."""
+    counted (the new counters, whether the update was skipped: a metric)."""
     counters, skipped = counted
     metrics["skipped"] = skipped.astype(jnp.float32)
-    actor_params, actor_opt, critic_params, critic_opt = trained
-    new_state = state.replace(
-        actor_params=actor_params,
-        actor_opt=actor_opt,
-        critic_params=critic_params,
-        critic_opt=critic_opt,
-        **counters,
-    )
-    return new_state, metrics
-
-
-def _counter_fields(state: TrainState) -> dict:
-    return {name: getattr(state, name) for name in COUNTERS}
+    return state.apply_update(*trained, counters), metrics
 
 
 def _explained_variance(values, returns, mask):

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxloop.rl.state import COUNTERS, TrainState
+from jaxloop.rl.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,6 @@ def run_phases(
         if off["critic"]:
             critic_params = to("critic", critic_params, "pinned_host", True)
             critic_opt = to("critic", critic_opt, "pinned_host", True)
-    counters = {name: getattr(state, name) for name in COUNTERS}
-    counted = phases.counters(counters, first_ok, actor_ok, critic_ok)
+    counted = phases.counters(state.counters, first_ok, actor_ok, critic_ok)
     metrics.update(moves)
     return (actor_params, actor_opt, critic_params, critic_opt), counted, metrics, old_lp
