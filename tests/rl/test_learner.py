@@ -12,8 +12,9 @@ from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig
+from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.offload import OffloadConfig
 from jaxloop.rl.state import build_train_state
 from jaxloop.train import build_critic
 
