@@ -35,7 +35,8 @@ from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
-from jaxloop.rl.learner import make_optimizer, metrics_to_host
+from jaxloop.rl.learner import metrics_to_host
+from jaxloop.rl.optim import make_optimizer
 from jaxloop.rl.sft import SFTStepper, answer_budget, sft_arrays, sft_seq_len, sft_sequences
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy

@@ -13,6 +13,7 @@ from jaxloop.config.schema import DOMAINS, base_config, flat_items
 from jaxloop.errors import UsageError
 from jaxloop.models.loop_budget import check_loop_budget, parse_loop_budget
 from jaxloop.parallel.mesh import resolve_axis_sizes
+from jaxloop.rl.loop_credit import LOOP_CREDITS
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 
@@ -226,9 +227,6 @@ def check_early_exit(cfg: ml_collections.ConfigDict, model_config=None) -> None:
         raise UsageError(
             f"rollout.early_exit={mode} needs a model with an exit gate (Ouro); this model has none"
         )
-
-
-LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
 
 
 def check_loop_credit(cfg: ml_collections.ConfigDict, model_config=None) -> None:

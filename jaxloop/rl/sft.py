@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import _accumulate, _apply_if, _split_micro
+from jaxloop.rl.microbatch import accumulate, apply_if, split_micro
 
 SFT_FIELDS = ("tokens", "attention_mask", "loss_mask")
 
@@ -114,15 +114,15 @@ class SFTStepper:
 
     def _step_impl(self, params, opt_state, batch: dict):
         num_tokens = jnp.sum(batch["loss_mask"])
-        micro = _split_micro({k: batch[k] for k in SFT_FIELDS}, self.micro)
+        micro = split_micro({k: batch[k] for k in SFT_FIELDS}, self.micro)
 
         def micro_loss(p, x):
             return sft_loss(self.graphdef, p, x, num_tokens)
 
-        grads, loss, sums = _accumulate(micro_loss, params, micro)
+        grads, loss, sums = accumulate(micro_loss, params, micro)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state, ok = _apply_if(ok, self.tx, grads, params, opt_state)
+        params, opt_state, ok = apply_if(ok, self.tx, grads, params, opt_state)
         metrics = {
             "sft_loss": loss,
             "sft_token_accuracy": sums["correct"] / jnp.maximum(num_tokens, 1.0),

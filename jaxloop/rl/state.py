@@ -48,6 +48,39 @@ class TrainState:
     def update_count(self) -> int:
         return int(self.step)
 
+    @property
+    def counters(self) -> dict:
+        """The scalar bookkeeping (`COUNTERS`) by name."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def apply_update(
+        self, actor_params, actor_opt, critic_params, critic_opt, counters: dict
+    ) -> TrainState:
+        """The state after an update: its trained parts and its counters (`advance_counters`)."""
+        return self.replace(
+            actor_params=actor_params,
+            actor_opt=actor_opt,
+            critic_params=critic_params,
+            critic_opt=critic_opt,
+            **counters,
+        )
+
+
+def advance_counters(counters: dict, first_ok, actor_ok, critic_ok) -> tuple[dict, jax.Array]:
+    """The counters after an update (pure: jitted alone by the offloaded update) and whether the
+    update was skipped. first_ok: the first policy step was applied; actor_ok / critic_ok: every
+    step of each was."""
+    c = counters
+    skipped = ~(actor_ok & critic_ok)
+    return dict(
+        step=c["step"] + 1,
+        # the version counts applied policy changes: a skipped update keeps it
+        policy_version=c["policy_version"] + first_ok.astype(jnp.int32),
+        consecutive_skips=jnp.where(skipped, c["consecutive_skips"] + 1, 0),
+        skipped_updates=c["skipped_updates"] + skipped.astype(jnp.int32),
+        rng=jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(c["rng"]), c["step"])),
+    ), skipped
+
 
 def opt_shardings(tx: optax.GradientTransformation, params_abstract, params_sharding, mesh):
     """Optimizer-state shardings: every per-parameter leaf (Adam's moments...) takes its

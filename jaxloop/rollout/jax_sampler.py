@@ -71,7 +71,7 @@ def exit_step(out, cache_index, depths: jax.Array):
 def loop_head_logits(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:
     """Each loop's float32 logits [L, B, V] of the last position of `loop_hidden` [L, B, S, E]
     (`ModelOutput.loop_hidden`): the LM head applied as the trainer's per-loop recompute
-    applies it (`learner.loop_token_stats`), so both mean the same by loop t's logits."""
+    applies it (`rl.stats.loop_stats`), so both mean the same by loop t's logits."""
     lm_head = model.lm_head[...].astype(jnp.dtype(model.config.compute_dtype))
     return jax.vmap(lambda h: project(h, lm_head))(loop_hidden[:, :, -1:])[:, :, 0]
 

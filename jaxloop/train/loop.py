@@ -317,7 +317,6 @@ class Trainer:
         metrics = step.metrics
         metrics.update(metrics_to_host(update_metrics))
         self.warn_constant_values(step.update, metrics)
-        metrics.update(learner.last_moves)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         check_skips(  # nothing of this update is saved then: the last checkpoint stays good
             step.update,

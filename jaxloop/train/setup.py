@@ -15,8 +15,10 @@ from jaxloop.models import LoopedConfig, LoopedLM
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
-from jaxloop.rl.learner import Learner, LearnerConfig, OffloadConfig, make_optimizer
+from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
+from jaxloop.rl.offload import OffloadConfig
+from jaxloop.rl.optim import make_optimizer
 from jaxloop.rl.state import (
     TrainState,
     abstract_params,

@@ -13,9 +13,10 @@ from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.advantages import AdvantageHParams
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import Learner, LearnerConfig, actor_token_stats
+from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
+from jaxloop.rl.stats import actor_token_stats
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 

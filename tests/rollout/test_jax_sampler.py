@@ -10,10 +10,10 @@ from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import token_logprobs
 from jaxloop.rollout.api import NotPublishedError, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine, _generate, filter_logprobs
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
+from tests.rl.oracle import token_logprobs
 
 T = 0.7
 
