@@ -18,6 +18,18 @@ from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Every rule of a loaded tree, in this order: the run's keys, the rollout's, the learner's
+    and the data's, then every key against its domain and the mesh's one -1."""
+    _check_run(cfg)
+    _check_rollout(cfg)
+    _check_learner_and_data(cfg)
+    check_domains(cfg)
+    if [cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")].count(-1) > 1:
+        raise UsageError(f"mesh {cfg.mesh.to_dict()}: at most one axis may be -1")
+
+
+def _check_run(cfg: ml_collections.ConfigDict) -> None:
+    """The algorithm, model source, batch sizes and cadences, SFT / warm start, critic steps."""
     from jaxloop.rl.algorithms import ALGORITHMS
 
     if cfg.algorithm not in ALGORITHMS:
@@ -72,6 +84,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(
             f"critic.steps_per_rollout must be >= 1 (got {cfg.critic.steps_per_rollout})"
         )
+
+
+def _check_rollout(cfg: ml_collections.ConfigDict) -> None:
+    """Sampling (the full distribution), eval source, publication, engines and timeouts."""
     if cfg.rollout.temperature <= 0:
         raise UsageError("rollout.temperature must be > 0")
     if cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0:
@@ -105,6 +121,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in ("engine_timeout_s", "publish_timeout_s"):
         if not cfg.rollout[key] > 0:
             raise UsageError(f"rollout.{key} must be > 0 (got {cfg.rollout[key]})")
+
+
+def _check_learner_and_data(cfg: ml_collections.ConfigDict) -> None:
+    """Optimizer, loss, loop credit, packing, loop budget, early exit, log level, task."""
     if cfg.optim.schedule not in ("constant", "cosine", "linear"):
         raise UsageError(f"optim.schedule={cfg.optim.schedule!r}; expected constant/cosine/linear")
     if cfg.optim.name not in ("adamw", "sgd"):
@@ -134,9 +154,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"data.task={cfg.data.task!r}: unknown builtin task; choose one of "
             f"{'/'.join(DOMAINS['data.task'].choices)}"
         )
-    check_domains(cfg)
-    if [cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")].count(-1) > 1:
-        raise UsageError(f"mesh {cfg.mesh.to_dict()}: at most one axis may be -1")
 
 
 def _missing_keys(cfg: ml_collections.ConfigDict) -> list[str]:

@@ -176,6 +176,25 @@ def compute_dtype_state(state: nnx.State, compute_dtype) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
+# Depth replay (looped_forward's `depths`, int32 [B, S], each in 1..K; LAST_EXITED semantics):
+# position i's outputs (hidden, logits, values) are its state after loop depths[b, i], taken after
+# the norm that ends that loop. At loop t (0-based) a position with depths <= t is frozen: its
+# hidden state is not updated, and at every layer of loop t the keys / values it shows to the
+# other positions (and writes into the cache slot of loop t) are the ones it computed at that
+# layer in its own last loop, depths - 1. So a token that exits at depth d fills the slots of
+# loops >= d with its loop d-1 keys / values, and prefill + decode with per-token depths equals
+# the full-sequence replay. depths == K everywhere equals depths=None.
+# Families whose loops do not end with a norm (Nanbeige with skip_loop_final_norm): the state that
+# feeds the next loop stays un-normed, but an exited position's output is final_norm(state after
+# loop d), i.e. normed the way the head (and Ouro's exit gate, which reads every step's normed
+# output) sees a model that stops there. Ouro and default Nanbeige end every loop with
+# final_norm, so their exited output is that loop's normed state.
+# return_loops with depths: entry t is a position's output after loop min(t + 1, depths) (entry t
+# of an exited position is its exit output; un-exited positions of a family without a norm
+# between loops keep today's un-normed entries), and exit_probs are computed from those.
+# depths=None adds no work: the replay is a Python-level branch.
+
+
 def looped_forward(
     model: LoopedLM,
     input_ids: jax.Array,
@@ -190,34 +209,16 @@ def looped_forward(
     num_loops: int | None = None,
     segment_ids: jax.Array | None = None,
 ) -> ModelOutput:
-    """The looped decoder, optionally with a static loop budget and per-position exit depths.
+    """The looped decoder, optionally with a static loop budget and per-position exit depths
+    (depth replay: the comment above).
 
     num_loops=K (a Python int, 1..config.num_loops): only the first K loops run (K loops of
     compute, one compile per K); the outputs are those of a K-loop model. With a cache, the K
     loops read and write cache slots 0..K-1 and leave the deeper slots untouched (a K-loop
     decode never reads them).
-
-    depths (int32 [B, S], each in 1..K; depth replay, LAST_EXITED semantics): position i's
-    outputs (hidden, logits, values) are its state after loop depths[b, i], taken after the norm
-    that ends that loop. At loop t (0-based) a position with depths <= t is frozen: its hidden
-    state is not updated, and at every layer of loop t the keys / values it shows to the other
-    positions (and writes into the cache slot of loop t) are the ones it computed at that layer
-    in its own last loop, depths - 1. So a token that exits at depth d fills the slots of loops
-    >= d with its loop d-1 keys / values, and prefill + decode with per-token depths equals the
-    full-sequence replay. depths == K everywhere equals depths=None.
-    Families whose loops do not end with a norm (Nanbeige with skip_loop_final_norm): the state
-    that feeds the next loop stays un-normed, but an exited position's output is
-    final_norm(state after loop d), i.e. normed the way the head (and Ouro's exit gate, which reads
-    every step's normed output) sees a model that stops there. Ouro and default Nanbeige end every
-    loop with final_norm, so their exited output is that loop's normed state.
-    return_loops with depths: entry t is a position's output after loop min(t + 1, depths) (entry
-    t of an exited position is its exit output; un-exited positions of a family without a norm
-    between loops keep today's un-normed entries), and exit_probs are computed from those.
     return_loops also gives loop_hidden: entry t is what the LM head reads in a model that stops
-    after loop t (the entries above, normed where a family without a norm between loops left them
-    un-normed), so loop t's logits are project(loop_hidden[t]) in every family.
-    depths=None adds no work: the replay is a Python-level branch.
-
+    after loop t (normed where a family without a norm between loops left it un-normed), so loop
+    t's logits are project(loop_hidden[t]) in every family.
     segment_ids (int32 [B, S], 0 = padding; packed rows, no cache): a position attends only to
     earlier positions of its own segment (in every loop, to that loop's keys), with `positions`
     given explicitly (restarting per segment). The cudnn kernel takes no segments: the mask
@@ -225,7 +226,6 @@ def looped_forward(
     cfg = model.config
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = input_ids.shape
-    eps = cfg.rms_norm_eps
     loops = cfg.num_loops if num_loops is None else int(num_loops)
     if not 1 <= loops <= cfg.num_loops:
         raise ValueError(f"num_loops={num_loops} is outside 1..{cfg.num_loops}")
@@ -233,7 +233,51 @@ def looped_forward(
         if depths.shape != (b, s):
             raise ValueError(f"depths has shape {depths.shape}, expected {(b, s)}")
         depths = depths.astype(jnp.int32)
+    attention_mask, positions = _mask_and_positions(attention_mask, positions, cache, b, s)
+    if segment_ids is not None and (cache is not None or positions is None):
+        raise ValueError("segment_ids need explicit positions and no cache (packed training rows)")
+    mask, valid, use_cudnn = _attention_mask(cfg, attention_mask, cache, segment_ids, s)
+    cos, sin = L.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    layer = _layer_fn(cfg, cos, sin, mask, cache, use_cudnn)
+    if cache is None:
+        # remat matters for training only; the cached (decode) path is never differentiated
+        layer = _remat(layer, cfg.remat)
+    final_norm = model.final_norm[...].astype(cdt)
+    run_loop = _loop_fn(
+        cfg, layer, _block_weights(model.blocks), final_norm, depths, loops, return_loops
+    )
 
+    # the lookup gathers whole rows: the table's hidden width is gathered first (as FSDP does for
+    # every weight), its vocab rows may stay split over 'tensor'
+    table = constrain(model.embed[...].astype(cdt), ("vocab", "act_embed"))
+    h0 = constrain(table[input_ids], HIDDEN_AXES)
+    kv_all0 = None if cache is None else (cache.k, cache.v)
+    last_kv0 = None
+    if depths is not None:
+        # every position is active in loop 0, so these zeros are never read
+        kv_shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
+        last_kv0 = (jnp.zeros(kv_shape, cdt), jnp.zeros(kv_shape, cdt))
+    # a K-loop budget writes slots 0..K-1 of the carried cache and leaves the deeper ones as
+    # they are
+    (h, _, new_kv, _), loop_hidden = jax.lax.scan(
+        run_loop,
+        (h0, jnp.int32(0), kv_all0, last_kv0),
+        None,
+        length=loops,
+        unroll=not cfg.scan_layers,
+    )
+    new_cache = None
+    if cache is not None:
+        new_k, new_v = new_kv
+        new_cache = cache.replace(k=new_k, v=new_v, valid=valid, index=cache.index + s)
+    return _heads(
+        model, h, loop_hidden, final_norm, depths, loops, logits_slice, head, return_loops
+    )._replace(cache=new_cache)
+
+
+def _mask_and_positions(attention_mask, positions, cache, b: int, s: int):
+    """The boolean attention mask ([B, S], all ones when absent) and int32 positions (counted
+    over the mask, after the cache's valid slots when decoding)."""
     if attention_mask is None:
         attention_mask = jnp.ones((b, s), jnp.bool_)
     attention_mask = attention_mask.astype(jnp.bool_)
@@ -243,33 +287,33 @@ def looped_forward(
         else:
             prev = jnp.sum(cache.valid, axis=1, keepdims=True)
             positions = prev + jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
-    positions = positions.astype(jnp.int32)
+    return attention_mask, positions.astype(jnp.int32)
 
-    cos, sin = L.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    weights = _block_weights(model.blocks)
-    final_norm = model.final_norm[...].astype(cdt)
 
-    if segment_ids is not None and (cache is not None or positions is None):
-        raise ValueError("segment_ids need explicit positions and no cache (packed training rows)")
+def _attention_mask(cfg: LoopedConfig, attention_mask, cache, segment_ids, s: int):
+    """(mask, the cache's new valid slots or None, whether the cudnn kernel runs)."""
     if cache is None:
         causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
         mask = causal[None] & attention_mask[:, None, :]
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        use_cudnn = cfg.attention_impl == "cudnn" and segment_ids is None
-        valid = None
-    else:
-        # the mask spans the slots attention reads (KVCache.read_length), not the whole cache
-        t = cache.attended_length
-        valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
-        slots = jnp.arange(t)
-        query_slots = cache.index + jnp.arange(s)
-        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :t]
-        use_cudnn = False
+        return mask, None, cfg.attention_impl == "cudnn" and segment_ids is None
+    # the mask spans the slots attention reads (KVCache.read_length), not the whole cache
+    t = cache.attended_length
+    valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
+    slots = jnp.arange(t)
+    query_slots = cache.index + jnp.arange(s)
+    mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :t]
+    return mask, valid, False
+
+
+def _layer_fn(cfg: LoopedConfig, cos, sin, mask, cache, use_cudnn: bool):
+    """One decoder layer, `layer(h, w, kv_cache, last_kv, active) -> (h, new cache kv, last kv)`.
+    kv_cache: None, or (k_all, v_all, loop_index, layer_index) with the whole cache; the new
+    positions' keys / values are written into slot [loop, layer] in place."""
+    cdt, eps = jnp.dtype(cfg.compute_dtype), cfg.rms_norm_eps
 
     def layer(h, w, kv_cache, last_kv, active):
-        """kv_cache: None, or (k_all, v_all, loop_index, layer_index) with the whole cache; the
-        new positions' keys / values are written into slot [loop, layer] in place."""
         w = {name: x.astype(cdt) for name, x in w.items()}
         x = L.rms_norm(h, w["input_norm"], eps)
         q = L.project(x, w["q_proj"])
@@ -308,14 +352,16 @@ def looped_forward(
             m = L.rms_norm(m, w["mlp_out_norm"], eps)
         return constrain(h + m, HIDDEN_AXES), new_cache_kv, new_last
 
-    if cache is None:
-        # remat matters for training only; the cached (decode) path is never differentiated
-        layer = _remat(layer, cfg.remat)
+    return layer
 
-    # model.scan_layers=false unrolls the layer and loop scans: XLA then fuses and schedules
-    # across layers (at the bench_peers shape the update ~25% faster, decode as fast or faster);
-    # true keeps one compiled layer body (compile time of deep models)
-    unroll = not cfg.scan_layers
+
+def _loop_fn(cfg: LoopedConfig, layer, weights, final_norm, depths, loops: int, return_loops):
+    """One loop over the layer stack as a scan body over (h, loop_index, kv_all, last_kv); it
+    emits the loop's output when return_loops. model.scan_layers=false unrolls the layer and loop
+    scans: XLA then fuses and schedules across layers (at the bench_peers shape the update ~25%
+    faster, decode as fast or faster); true keeps one compiled layer body (compile time of deep
+    models)."""
+    eps, unroll = cfg.rms_norm_eps, not cfg.scan_layers
 
     def run_layers(h, kv_all, loop_index, last_kv, active):
         """kv_all: None or the whole (k, v) cache, carried (not scanned over: a scanned slice
@@ -357,31 +403,16 @@ def looped_forward(
                 h = jnp.where(is_last, normed, h)
         return (h, loop_index + 1, kv_all, last_kv), (out if return_loops else None)
 
-    # the lookup gathers whole rows: the table's hidden width is gathered first (as FSDP does for
-    # every weight), its vocab rows may stay split over 'tensor'
-    table = constrain(model.embed[...].astype(cdt), ("vocab", "act_embed"))
-    h0 = constrain(table[input_ids], HIDDEN_AXES)
-    kv_all0 = None if cache is None else (cache.k, cache.v)
-    last_kv0 = None
-    if depths is not None:
-        # every position is active in loop 0, so these zeros are never read
-        kv_shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-        last_kv0 = (jnp.zeros(kv_shape, cdt), jnp.zeros(kv_shape, cdt))
-    # a K-loop budget writes slots 0..K-1 of the carried cache and leaves the deeper ones as
-    # they are
-    (h, _, new_kv, _), loop_hidden = jax.lax.scan(
-        run_loop,
-        (h0, jnp.int32(0), kv_all0, last_kv0),
-        None,
-        length=loops,
-        unroll=unroll,
-    )
+    return run_loop
 
-    new_cache = None
-    if cache is not None:
-        new_k, new_v = new_kv
-        new_cache = cache.replace(k=new_k, v=new_v, valid=valid, index=cache.index + s)
 
+def _heads(
+    model: LoopedLM, h, loop_hidden, final_norm, depths, loops, logits_slice, head, return_loops
+) -> ModelOutput:
+    """The LM head (actor) or value head (critic) on the last state, per-loop logits and exit
+    probabilities with return_loops, and what the head reads after each loop (loop_hidden)."""
+    cfg = model.config
+    cdt, eps = jnp.dtype(cfg.compute_dtype), cfg.rms_norm_eps
     hidden = h if logits_slice is None else h[:, logits_slice]
     logits = values = loop_logits = exit_probs = None
     if model.role == "actor" and head:
@@ -408,7 +439,7 @@ def looped_forward(
         if logits_slice is not None:
             head_inputs = head_inputs[:, :, logits_slice]
     return ModelOutput(
-        logits, values, hidden, loop_logits, exit_probs, new_cache, loop_hidden=head_inputs
+        logits, values, hidden, loop_logits, exit_probs, None, loop_hidden=head_inputs
     )
 
 

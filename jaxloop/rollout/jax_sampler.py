@@ -109,6 +109,71 @@ def filter_logprobs(logprobs: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logprobs
 
 
+def _prefill(model, prompt_ids, prompt_mask, cache_len: int, loop_logprobs: bool):
+    """The prompt's forward into a fresh cache: (output, the last position's per-loop logits
+    [L, B, V] with loop_logprobs, else None)."""
+    batch, prompt_len = prompt_ids.shape
+    cache = init_cache(model.config, batch, cache_len)
+    cache = cache.replace(
+        k=shd.constrain(cache.k, CACHE_AXES),
+        v=shd.constrain(cache.v, CACHE_AXES),
+        read_length=read_length_for(cache_len, prompt_len),
+    )
+    if loop_logprobs:  # only the last position's loop logits: no [L, B, S, V]
+        out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache, return_loops=True)
+        return out, loop_head_logits(model, out.loop_hidden)
+    out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
+    return out, None
+
+
+def _token_picker(keys, temperature: float, greedy: bool, top_k: int, top_p: float):
+    """`pick(logits, step) -> (token, its log-prob)`: argmax, or a draw from the filtered
+    distribution with each row's key folded with the step."""
+
+    def pick(logits, step):
+        lp = process_logits(logits, temperature)
+        if greedy:
+            token = jnp.argmax(lp, axis=-1)
+        else:
+            filtered = filter_logprobs(lp, top_k, top_p)
+            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+            token = jax.vmap(jax.random.categorical)(step_keys, filtered)
+        token = token.astype(jnp.int32)
+        return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
+
+    return pick
+
+
+def _decoder(model, batch: int, loops: int, early_exit, exit_threshold, exit_keys, loop_logprobs):
+    """`decode(token, cache, step)`: one decode step of every row."""
+
+    def decode(token, cache, step):
+        """The next logits [B, V] after `token`, its exit depth [B], the gate's log p of it and
+        (with loop_logprobs, else None) the next per-loop logits [L, B, V]."""
+        ones = jnp.ones((batch, 1), jnp.bool_)
+        if early_exit == "none":
+            out = model.forward(
+                token[:, None], attention_mask=ones, cache=cache, return_loops=loop_logprobs
+            )
+            full = jnp.full((batch,), loops, jnp.int32)
+            next_loops = loop_head_logits(model, out.loop_hidden) if loop_logprobs else None
+            return out.logits[:, -1], out.cache, full, jnp.zeros((batch,), jnp.float32), next_loops
+        # every loop runs; the exit is decided on the gate's distribution and applied after
+        # (a token's own loops before its exit do not depend on where it exits)
+        out = model.forward(token[:, None], attention_mask=ones, cache=cache, return_loops=True)
+        probs = out.exit_probs[:, :, -1]  # [L, B]
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(exit_keys)
+        depth = exit_depths(probs, early_exit, exit_threshold, step_keys)
+        exit_lp = jnp.log(jnp.take_along_axis(probs, (depth - 1)[None], axis=0)[0])
+        next_loops = None
+        if loop_logprobs:  # the exited token's deeper loops are its exit loop, as replayed
+            next_loops = exited_loop_logits(loop_head_logits(model, out.loop_hidden), depth)
+        logits, cache = exit_step(out, cache.index, depth)
+        return logits, cache, depth, exit_lp, next_loops
+
+    return decode
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "max_new_tokens", "sampling_key", "cache_len", "loop_logprobs"),
@@ -135,32 +200,10 @@ def _generate(
     if cfg.compute_dtype != cfg.param_dtype:  # one cast per call, not one per decode step
         model = nnx.merge(graphdef, compute_dtype_state(state, cfg.compute_dtype))
     batch, prompt_len = prompt_ids.shape
-    cache = init_cache(model.config, batch, cache_len)
-    cache = cache.replace(
-        k=shd.constrain(cache.k, CACHE_AXES),
-        v=shd.constrain(cache.v, CACHE_AXES),
-        read_length=read_length_for(cache_len, prompt_len),
-    )
-    if loop_logprobs:  # only the last position's loop logits: no [L, B, S, V]
-        out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache, return_loops=True)
-        last_loop_logits = loop_head_logits(model, out.loop_hidden)
-    else:
-        out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache)
-        last_loop_logits = None
+    out, last_loop_logits = _prefill(model, prompt_ids, prompt_mask, cache_len, loop_logprobs)
     last_logits = out.logits[:, -1]
     keys = jax.vmap(jax.random.key)(seeds)
-
-    def pick(logits, step):
-        lp = process_logits(logits, temperature)
-        if greedy:
-            token = jnp.argmax(lp, axis=-1)
-        else:
-            filtered = filter_logprobs(lp, top_k, top_p)
-            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-            token = jax.vmap(jax.random.categorical)(step_keys, filtered)
-        token = token.astype(jnp.int32)
-        return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
-
+    pick = _token_picker(keys, temperature, greedy, top_k, top_p)
     exit_keys = jax.vmap(lambda k: jax.random.fold_in(k, EXIT_KEY_SALT))(keys)
     loops = model.config.num_loops
 
@@ -168,29 +211,7 @@ def _generate(
         lp = process_logits(loop_logits, temperature)
         return jnp.take_along_axis(lp, token[None, :, None], axis=-1)[..., 0]
 
-    def decode(token, cache, step):
-        """The next logits [B, V] after `token`, its exit depth [B], the gate's log p of it and
-        (with loop_logprobs, else None) the next per-loop logits [L, B, V]."""
-        ones = jnp.ones((batch, 1), jnp.bool_)
-        if early_exit == "none":
-            out = model.forward(
-                token[:, None], attention_mask=ones, cache=cache, return_loops=loop_logprobs
-            )
-            full = jnp.full((batch,), loops, jnp.int32)
-            next_loops = loop_head_logits(model, out.loop_hidden) if loop_logprobs else None
-            return out.logits[:, -1], out.cache, full, jnp.zeros((batch,), jnp.float32), next_loops
-        # every loop runs; the exit is decided on the gate's distribution and applied after
-        # (a token's own loops before its exit do not depend on where it exits)
-        out = model.forward(token[:, None], attention_mask=ones, cache=cache, return_loops=True)
-        probs = out.exit_probs[:, :, -1]  # [L, B]
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(exit_keys)
-        depth = exit_depths(probs, early_exit, exit_threshold, step_keys)
-        exit_lp = jnp.log(jnp.take_along_axis(probs, (depth - 1)[None], axis=0)[0])
-        next_loops = None
-        if loop_logprobs:  # the exited token's deeper loops are its exit loop, as replayed
-            next_loops = exited_loop_logits(loop_head_logits(model, out.loop_hidden), depth)
-        logits, cache = exit_step(out, cache.index, depth)
-        return logits, cache, depth, exit_lp, next_loops
+    decode = _decoder(model, batch, loops, early_exit, exit_threshold, exit_keys, loop_logprobs)
 
     def body(carry):
         step, cache, logits, loop_logits, tokens, logprobs, loop_lps, depths, exit_lps, done = carry

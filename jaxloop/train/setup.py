@@ -9,7 +9,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from jaxloop.config import UsageError, default_logprob_diff, parse_loop_budget
+from jaxloop.config import UsageError, default_logprob_diff, parse_loop_budget, run_config
 from jaxloop.io.hf import abstract_model
 from jaxloop.models import LoopedConfig, LoopedLM
 from jaxloop.parallel import mesh as shd
@@ -251,6 +251,12 @@ def run_producer_settings(cfg, requires_groups: bool, vocab_size: int) -> Produc
     return settings
 
 
+def engine_log_level(cfg) -> str:
+    """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
+    level = cfg.rollout.engine_log_level.upper()
+    return "INFO" if cfg.verbose and level != "DEBUG" else level
+
+
 def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
     """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
     if cfg.rollout.engine == "jax":
@@ -259,7 +265,9 @@ def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) 
         return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
     from jaxloop.rollout.ray.client import RayRolloutClient
 
-    return RayRolloutClient(cfg, actor, settings)
+    return RayRolloutClient(
+        run_config(cfg).rollout, actor, settings, log_level=engine_log_level(cfg)
+    )
 
 
 def engine_model(cfg, setup: TrainSetup, state: TrainState) -> LoopedLM:

@@ -48,10 +48,10 @@ def _learner(mesh, with_reference: bool):
     if mesh is not None:
         shardings = state_shardings(
             mesh,
-            shd.param_shardings(actor, mesh),
+            shd.shardings_for(actor, mesh),
             abstract_params(actor),
             tx,
-            shd.param_shardings(critic, mesh),
+            shd.shardings_for(critic, mesh),
             abstract_params(critic),
             tx,
             with_reference=with_reference,

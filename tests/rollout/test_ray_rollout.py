@@ -25,7 +25,7 @@ import pytest
 import ray
 from flax import nnx
 
-from jaxloop.config import base_config
+from jaxloop.config import base_config, run_config
 from jaxloop.rollout.api import Policy, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
@@ -69,7 +69,9 @@ class Bridge:
             "B": nnx.split(build_actor(_cfg(seed=1), actor_seed(_cfg(seed=1))))[1],
         }
         start = time.perf_counter()
-        self.client = DebugRayRolloutClient(cfg, self.actor, self.settings, engine_kind="jax")
+        self.client = DebugRayRolloutClient(
+            run_config(cfg).rollout, self.actor, self.settings, engine_kind="jax"
+        )
         self.client.bucket_bytes = 16 << 10  # several buckets per publication of this tiny model
         TIMINGS["client_start_s"] = time.perf_counter() - start
         TIMINGS.update({k: v for k, v in self.client.timings.items()})
@@ -522,7 +524,9 @@ class VLLMBridge:
         self.policies = {k: nnx.split(m)[1] for k, m in self.models.items()}
         self.settings = producer_settings(cfg, requires_groups=True)
         start = time.perf_counter()
-        self.client = DebugRayRolloutClient(cfg, self.models["A"], self.settings)
+        self.client = DebugRayRolloutClient(
+            run_config(cfg).rollout, self.models["A"], self.settings
+        )
         TIMINGS["vllm_client_start_s"] = time.perf_counter() - start
         TIMINGS["vllm_engine_start_s"] = self.client.timings["engine_start_s"]
 

@@ -33,12 +33,6 @@ from jaxloop.rollout.types import PublishStats, Sample
 logger = logging.getLogger(__name__)
 
 
-def engine_log_level(cfg) -> str:
-    """The engine actors' log level: rollout.engine_log_level, or INFO with verbose=True."""
-    level = cfg.rollout.engine_log_level.upper()
-    return "INFO" if cfg.verbose and level != "DEBUG" else level
-
-
 # environment variables handed from the trainer process to the Ray actors
 _ENV_PREFIXES = ("JAX_", "XLA_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 
@@ -61,7 +55,9 @@ class RayRolloutClient:
     """The rollout side of the trainer for Ray engines (`rollout.engine=vllm`).
 
     A RolloutSource, like RolloutProducer: publish(policy), produce(update), evaluate(),
-    state(), restore(state), version, close(). `engine_kind` overrides cfg.rollout.engine ('jax'
+    state(), restore(state), version, close(). `rollout`: the run's rollout section
+    (jaxloop/rollout/settings.py RolloutSection); `settings`: the producer's (seed, sampling,
+    loop budget); `log_level`: the engine actors'. `engine_kind` overrides rollout.engine ('jax'
     runs the embedded sampler in the engine actors: used by tests, needs no vLLM).
     """
 
@@ -71,11 +67,18 @@ class RayRolloutClient:
     shares_devices = False
     loop_logprobs = False
 
-    def __init__(self, cfg, actor_model, settings, *, engine_kind: str | None = None):
-        self.cfg = cfg
-        r = cfg.rollout
+    def __init__(
+        self,
+        rollout,
+        actor_model,
+        settings,
+        *,
+        log_level: str = "WARNING",
+        engine_kind: str | None = None,
+    ):
+        r = rollout
         self.kind = engine_kind or r.engine
-        self.log_level = engine_log_level(cfg)
+        self.log_level = log_level
         self.transport = r.transport
         self.publish_mode = r.publish  # 'full', 'delta' or 'delta_xor'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
@@ -107,7 +110,7 @@ class RayRolloutClient:
         self._placement_group: str | None = None
         try:
             self._connect(r.ray_address, r.num_engines)
-            spec, bundle = self._engine_spec(cfg, actor_model, settings)
+            spec, bundle = self._engine_spec(actor_model, settings)
             self._manager_args = (settings, spec, r.num_engines, bundle)
             self._manager_kwargs = dict(
                 engine_timeout_s=float(r.engine_timeout_s),
@@ -236,7 +239,7 @@ class RayRolloutClient:
         self._started_ray = True
         self.timings["ray_init_s"] = time.perf_counter() - start
 
-    def _engine_spec(self, cfg, actor_model, settings) -> tuple[EngineSpec, dict]:
+    def _engine_spec(self, actor_model, settings) -> tuple[EngineSpec, dict]:
         gpus = ray.cluster_resources().get("GPU", 0.0)
         m = self.model_config
         if self.kind == "jax":
@@ -248,7 +251,7 @@ class RayRolloutClient:
                     compute_dtype=m.compute_dtype,
                     attention_impl=m.attention_impl,
                 ),
-                seed=int(cfg.seed),
+                seed=int(settings.seed),
                 log_level=self.log_level,
             )
             return spec, {"CPU": 1.0}
@@ -262,11 +265,12 @@ class RayRolloutClient:
         llm_kwargs: dict[str, Any] = {}
         if logging.getLevelName(self.log_level) > logging.INFO:
             llm_kwargs["use_tqdm_on_load"] = False  # weight-loading progress bars
-        if cfg.rollout.early_exit != "none" or cfg.model.loop_budget:
+        early_exit = settings.sampling.early_exit
+        if early_exit != "none" or settings.loop_budget:
             # the plugin's depth plan reads the batch on the host per forward, and a cached block
             # holding response tokens was computed with their exits
             llm_kwargs["enforce_eager"] = True
-            llm_kwargs["enable_prefix_caching"] = cfg.rollout.early_exit == "none"
+            llm_kwargs["enable_prefix_caching"] = early_exit == "none"
         if gpus < 1:  # CPU engines (tests, CI): eager, in-process engine core, small KV cache
             llm_kwargs["enforce_eager"] = True
             self._runtime_env["env_vars"].setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -277,7 +281,7 @@ class RayRolloutClient:
             kind="vllm",
             model_dir=str(model_dir),
             dtype=m.compute_dtype,
-            seed=int(cfg.seed),
+            seed=int(settings.seed),
             max_model_len=min(limit, round_up(need, 32)),
             llm_kwargs=llm_kwargs,
             log_level=self.log_level,
