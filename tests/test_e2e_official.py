@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.xla_flags import TEST_XLA_FLAGS
-
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow  # four trainer processes
@@ -21,7 +19,7 @@ def test_e2e_official_reduced(tmp_path):
     import os
 
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {TEST_XLA_FLAGS}"
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     cmd = [sys.executable, str(ROOT / "scripts" / "e2e_official.py"), "--reduced"]
     cmd += ["--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)

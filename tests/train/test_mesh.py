@@ -18,7 +18,6 @@ from jaxloop.train.build import actor_config
 from jaxloop.train.cli import main as train_main
 from jaxloop.train.setup import TrainSetup
 from tests.train.helpers import TINY, run_train
-from tests.xla_flags import TEST_XLA_FLAGS
 
 MESHES = {
     "dp2-fsdp2-tp2": ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"),
@@ -40,7 +39,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def one_device_env(env):
     e = dict(env)
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {TEST_XLA_FLAGS}"
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     return e
 
 
