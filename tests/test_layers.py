@@ -113,7 +113,7 @@ def violation(importer: str, imported: str) -> str | None:
     a, b = layer_of(importer), layer_of(imported)
     if a == b:
         return None
-    if RANK[b] > RANK[a] or (RANK[b] == RANK[a]):
+    if RANK[b] >= RANK[a]:
         return f"{importer} ({a}) imports {imported} ({b})"
     return None
 

@@ -57,8 +57,9 @@ class RayRolloutClient:
     A RolloutSource, like RolloutProducer: publish(policy), produce(update), evaluate(),
     state(), restore(state), version, close(). `rollout`: the run's rollout section
     (jaxloop/rollout/settings.py RolloutSection); `settings`: the producer's (seed, sampling,
-    loop budget); `log_level`: the engine actors'. `engine_kind` overrides rollout.engine ('jax'
-    runs the embedded sampler in the engine actors: used by tests, needs no vLLM).
+    loop budget); `log_level`: the engine actors' (default: rollout.engine_log_level).
+    `engine_kind` overrides rollout.engine ('jax' runs the embedded sampler in the engine actors:
+    used by tests, needs no vLLM).
     """
 
     manager_actor = RolloutManager  # the manager's actor class (tests: one with debug hooks)
@@ -73,12 +74,12 @@ class RayRolloutClient:
         actor_model,
         settings,
         *,
-        log_level: str = "WARNING",
+        log_level: str | None = None,
         engine_kind: str | None = None,
     ):
         r = rollout
         self.kind = engine_kind or r.engine
-        self.log_level = log_level
+        self.log_level = log_level or r.engine_log_level.upper()
         self.transport = r.transport
         self.publish_mode = r.publish  # 'full', 'delta' or 'delta_xor'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
