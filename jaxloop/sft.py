@@ -37,7 +37,14 @@ from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.learner import metrics_to_host
 from jaxloop.rl.optim import make_optimizer
-from jaxloop.rl.sft import SFTStepper, answer_budget, sft_arrays, sft_seq_len, sft_sequences
+from jaxloop.rl.sft import (
+    SFTBatch,
+    SFTStepper,
+    answer_budget,
+    sft_batch,
+    sft_seq_len,
+    sft_sequences,
+)
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.producer import RolloutProducer, derive_seed
@@ -54,6 +61,7 @@ SFT_KEYS = (
     "eval_every",
     "eval_prompts",
     "progress",
+    "curves",
     "verbose",
     "model",
     "data.source",
@@ -91,17 +99,17 @@ def sft_optimizer(cfg, steps: int):
 
 
 class SFTData:
-    """Batches of `sft_arrays` from a prompt source, in one row length; a resumable cursor."""
+    """Batches of `sft_batch` from a prompt source, in one row length; a resumable cursor."""
 
     def __init__(self, data: dict, tokenizer, max_prompt_tokens: int, batch_size: int):
         self.source = make_source(data)
         self.tokenizer, self.batch_size = tokenizer, batch_size
         self.seq_len = sft_seq_len(max_prompt_tokens, answer_budget(self.source, tokenizer))
 
-    def next_arrays(self) -> dict[str, np.ndarray]:
+    def next_batch(self) -> SFTBatch:
         prompts, answers = sft_sequences(self.tokenizer, self.source.next_batch(self.batch_size))
         try:
-            return sft_arrays(prompts, answers, self.seq_len)
+            return sft_batch(prompts, answers, self.seq_len)
         except ValueError as err:
             raise DataError(
                 f"sft: {err} (data.max_prompt_tokens + the longest label + EOS)"
@@ -174,7 +182,7 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
         opt_state = stepper.init(actor_params, opt_sharding)
         for step in range(1, steps + 1):
             actor_params, opt_state, metrics = stepper.step(
-                actor_params, opt_state, data.next_arrays()
+                actor_params, opt_state, data.next_batch()
             )
             last.update(metrics_to_host(metrics))
             steps_run = step
@@ -356,7 +364,7 @@ class SFTRun:
                     row["eval_accuracy"] = self.evaluate()
                 s = self.state
                 params, opt, metrics = self.stepper.step(
-                    s.actor_params, s.actor_opt, self.data.next_arrays()
+                    s.actor_params, s.actor_opt, self.data.next_batch()
                 )
                 metrics = metrics_to_host(metrics)
                 skips = skips + 1 if metrics["skipped"] else 0
@@ -476,6 +484,7 @@ def _main(argv: list[str], cleanup: list) -> int:
                 time.perf_counter() - started,
                 cfg.sft.steps,
                 eval_key="eval_accuracy",
+                curves=cfg.curves,
             ),
             file=sys.stderr,
         )

@@ -69,9 +69,15 @@ def summary_rows(
 
 
 def finish_report(
-    run_dir: str | Path, start_update: int, wall_s: float, total: int, eval_key: str = "eval_reward"
+    run_dir: str | Path,
+    start_update: int,
+    wall_s: float,
+    total: int,
+    eval_key: str = "eval_reward",
+    curves: bool = True,
 ) -> str:
-    """Write curves.png and return the summary table with the output paths."""
+    """Write curves.png (unless `curves` is False: the run's `curves` key) and return the summary
+    table with the output paths."""
     from jaxloop.plot import PlotError, plot_run
 
     run_dir = Path(run_dir)
@@ -80,7 +86,7 @@ def finish_report(
     except FileNotFoundError:
         rows = []
     try:
-        curves = str(plot_run(run_dir))
+        curves = str(plot_run(run_dir)) if curves else "not written (curves=False)"
     except PlotError as err:
         curves = f"not written ({err})"
     except Exception as err:  # plotting must never fail a finished run

@@ -37,6 +37,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxloop.io.hf import save_hf  # noqa: E402
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config  # noqa: E402
+from jaxloop.rollout.api import Policy  # noqa: E402
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine  # noqa: E402
 from jaxloop.rollout.types import PromptRequest, SamplingConfig  # noqa: E402
 
@@ -170,7 +171,7 @@ def _build_engine(kind: str, model_dir: str, prompts: list[list[int]], args: dic
 
         model = load_hf(model_dir, dtype="float32")
         engine = JaxSamplerEngine(model, min_prompt_bucket=len(prompts[0]))
-        engine.publish(nnx.state(model), 0)
+        engine.publish(Policy(nnx.state(model), 0, model.config))
 
         def generate(n):
             greedy = SamplingConfig(greedy=True, max_new_tokens=n)
@@ -211,7 +212,7 @@ def _build_engine(kind: str, model_dir: str, prompts: list[list[int]], args: dic
             enforce_eager=args["vllm_eager"],
             max_num_seqs=max(len(prompts), 8),
         )
-        engine.publish(_read_checkpoint(model_dir)[1].items(), 0)
+        engine.publish_tensors(_read_checkpoint(model_dir)[1].items(), 0)
 
         def generate(n):
             greedy = SamplingConfig(greedy=True, max_new_tokens=n)
@@ -328,7 +329,7 @@ def bench_full(args) -> dict:
     )
     model = LoopedLM(cfg, rngs=nnx.Rngs(0))
     engine = JaxSamplerEngine(model, min_prompt_bucket=args.context)
-    engine.publish(nnx.state(model), 0)
+    engine.publish(Policy(nnx.state(model), 0, model.config))
     requests = _requests(args.batch, args.context, cfg.vocab_size)
     step, _ = jax_step_time(engine, requests, args.n1, args.n2, args.repeats)
     stats = jax.local_devices()[0].memory_stats() or {}

@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxloop.families import hf_tensor_shapes  # noqa: E402
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config  # noqa: E402
 from jaxloop.rollout.api import Policy  # noqa: E402
-from jaxloop.rollout.policy import hf_tensors  # noqa: E402
-from jaxloop.rollout.publication import (  # noqa: E402
+from jaxloop.rollout.publication.policy import hf_tensors  # noqa: E402
+from jaxloop.rollout.publication.staging import HostStaging  # noqa: E402
+from jaxloop.rollout.publication.transaction import (  # noqa: E402
     Manifest,
     PublicationReceiver,
     dtype_name,
     make_chunks,
 )
-from jaxloop.rollout.staging import HostStaging  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
 
@@ -149,7 +149,7 @@ def main() -> int:
         import ray
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
         @ray.remote
         class Receiver:

@@ -514,7 +514,7 @@ def start_ray() -> str:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # private, never a running one
     return ray.get_runtime_context().gcs_address
 
 

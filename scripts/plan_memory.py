@@ -95,7 +95,7 @@ def plan_phases(learner, state, batch, off: set[str], model_cfg, gen_rows: int, 
             if f not in in_use and not resting.get(f, False) and getattr(state, f) is not None
         )
 
-    full = {**batch, "old_logprobs": batch["response_mask"]}
+    full = batch.replace(old_logprobs=batch.response_mask)
     prep = learner._prepare.lower(state.ref_params, state.critic_params, full).compile()
     prepared = jax.eval_shape(learner._prepare_impl, state.ref_params, state.critic_params, full)[0]
     actor = learner._actor_phase.lower(state.actor_params, state.actor_opt, full, prepared)
@@ -134,6 +134,7 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
     from jaxloop.models import LoopedConfig, tiny_hf_config
     from jaxloop.models.presets import FULL_SIZE
     from jaxloop.parallel import mesh as shd
+    from jaxloop.rl.train_batch import TrainBatch
     from jaxloop.train.setup import TrainSetup
 
     hf = tiny_hf_config("nanbeige") if args.config == "tiny" else dict(FULL_SIZE[args.config])
@@ -175,7 +176,9 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
         "group_ids": ((n,), "int32"),
         "sample_mask": ((n,), "float32"),
     }
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows) for k, (shape, dt) in spec.items()}
+    batch = TrainBatch(
+        **{k: jax.ShapeDtypeStruct(shape, dt, sharding=rows) for k, (shape, dt) in spec.items()}
+    )
     out = {"algorithm": algorithm, "devices": jax.device_count(), **mesh_sizes}
     out.update(micro_batch=micro, samples=samples, seq=s, remat=args.remat)
     if off:
@@ -194,7 +197,7 @@ def plan(args, algorithm: str, mesh_sizes: dict[str, int]) -> dict:
             .compile()
             .memory_analysis()
         )
-        full = {**batch, "old_logprobs": batch["response_mask"]}
+        full = batch.replace(old_logprobs=batch.response_mask)
         upd = learner._update.lower(state, full).compile().memory_analysis()
         out["compile_s"] = round(time.perf_counter() - t0, 1)
     for name, m in (("update", upd), ("old_logprobs", old)):

@@ -106,7 +106,7 @@ def hlo_stats(learner, state, batch) -> dict:
         lowered = learner._update_fused.lower(state, batch, False)
     else:  # a checkout before the fused update: the update given the old log-probs
         old = learner.old_logprobs(state, batch)
-        lowered = learner._update.lower(state, {**batch, "old_logprobs": old}, False)
+        lowered = learner._update.lower(state, batch.replace(old_logprobs=old), False)
     compiled = lowered.compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -128,7 +128,7 @@ class Variant:
         self.state = self.training.fresh_state()
         host = synthetic_batch(self.cfg, np.random.default_rng(seed))
         self.positions = host.tokens.shape[1] - 1
-        self.batch = self.learner.place_batch(host.arrays())
+        self.batch = self.learner.place_batch(host.train_batch())
         self.times: dict[str, list[float]] = {}
 
     def timed(self, name: str, fn):
@@ -142,7 +142,7 @@ class Variant:
         learner = self.learner
         old = self.timed("old_logprobs", lambda: learner.old_logprobs(self.state, self.batch))
         self.state, metrics = self.timed(
-            "update", lambda: learner.update(self.state, {**self.batch, "old_logprobs": old})
+            "update", lambda: learner.update(self.state, self.batch.replace(old_logprobs=old))
         )
         self.times.setdefault("separate", []).append(
             self.times["old_logprobs"][-1] + self.times["update"][-1]

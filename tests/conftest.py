@@ -2,8 +2,10 @@
 one persistent XLA compilation cache for the whole session (every trainer subprocess of the same
 shapes reuses the programs an earlier one compiled; results are the same executables), and the
 xdist groups that `pytest -n` distributes: one group per test module, and every real-engine test
-(`slow`: vLLM, Ray) in one group, so two Ray clusters or vLLM engines never run at once. A slow
-module without engines (long trainer runs) says `USES_REAL_ENGINES = False` and keeps its own
+(`slow`: vLLM, Ray) in the "real-engines" group, so its engines run one at a time; a module that
+starts a Ray cluster of its own kind names its group (`ENGINE_GROUP`: the simulated multi-node
+cluster runs beside the real-engines group; every test cluster is private, RAY_ADDRESS=local). A
+slow module without engines (long trainer runs) says `USES_REAL_ENGINES = False` and keeps its own
 group, so it runs beside the engine tests instead of after them."""
 
 import atexit
@@ -20,6 +22,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray cluster a test starts without an address is its own (Ray's default joins the last one
+# started on this machine), so the two Ray groups below can run at once.
+os.environ.setdefault("RAY_ADDRESS", "local")
+# Ray runs its workers (engine actors, launched trainer processes) at nice 15: beside two busy
+# xdist workers they got almost no CPU (a launch on the simulated cluster took 549 s in CI, ~70 s
+# alone). Tests give them the priority of everything else.
+os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # One compilation cache for the session: made by the first process (the xdist controller, or a
@@ -37,7 +46,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # real-engine group starts at once and the short modules fill in at the end. A group not listed
 # counts as short; the order only changes when tests run, not what they check.
 GROUP_SECONDS = {
-    "real-engines": 1100,
+    "real-engines": 1300,
+    "ray-cluster": 900,
     "tests.rl.test_learner": 360,
     "tests.train.test_mesh": 300,
     "tests.train.test_learning": 290,
@@ -76,7 +86,9 @@ def pytest_collection_modifyitems(config, items):
         engines = item.get_closest_marker("slow") and getattr(
             item.module, "USES_REAL_ENGINES", True
         )
-        group = "real-engines" if engines else item.module.__name__
+        # a module may name its engine group (ENGINE_GROUP): groups run at once, their tests not
+        group = getattr(item.module, "ENGINE_GROUP", "real-engines") if engines else None
+        group = group or item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item] = group
         if config.getoption("loadgroup", default=False):  # an xdist worker under loadgroup

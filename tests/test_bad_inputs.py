@@ -50,6 +50,7 @@ BASE = (
     "--config.keep_checkpoints=5",
     "--config.rollout.max_new_tokens=2",
     "--config.data.reward=tests.train.rewards:char_code_reward",
+    "--config.curves=true",  # the rerun rows find the old run's curves.png
 )
 
 

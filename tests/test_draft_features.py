@@ -16,6 +16,7 @@ from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
+from jaxloop.rollout.api import Policy
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 from tests.train.helpers import UNIT, run_train
@@ -32,6 +33,7 @@ def test_features_written_and_correct(tmp_path):
         "--config.n_samples_per_prompt=2",
         "--config.rollout.max_new_tokens=3",
         "--config.progress=false",
+        "--config.curves=false",  # no test here reads curves.png
         "--config.draft_features.enabled=true",
         "--config.draft_features.max_tokens_per_update=20",
     )
@@ -57,7 +59,7 @@ def test_features_equal_lm_head_input(tmp_path):
     cfg = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige"))
     model = LoopedLM(cfg, rngs=nnx.Rngs(0))
     engine = JaxSamplerEngine(model)
-    engine.publish(nnx.state(model), 4)
+    engine.publish(Policy(nnx.state(model), 4, model.config))
     reqs = [
         PromptRequest((1, 5, 6, 7)[: 2 + k % 3], seed=k, group_id=k // 2, sample_index=k)
         for k in range(6)
@@ -74,7 +76,7 @@ def test_features_equal_lm_head_input(tmp_path):
         tx,
     )
     state = build_train_state(nnx.state(model).to_pure_dict(), tx)
-    lp, hidden = learner.old_logprobs(state, learner.place_batch(arrays.arrays()), True)
+    lp, hidden = learner.old_logprobs(state, learner.place_batch(arrays.train_batch()), True)
     writer = DraftFeatureWriter(tmp_path, 100, 10**6, "c" * 64, "t" * 64)
     assert writer.write(3, 4, samples, arrays, hidden) == 18
     tensors = dict(read_safetensors(tmp_path / "draft_features" / "update_000003.safetensors"))

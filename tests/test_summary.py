@@ -81,6 +81,15 @@ def test_finish_report_writes_curves(tmp_path):
     assert str(tmp_path / "checkpoints" / "14") in text
 
 
+def test_finish_report_with_curves_off_writes_no_png(tmp_path):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for row in _rows():
+            f.write(json.dumps(row) + "\n")
+    text = finish_report(tmp_path, start_update=0, wall_s=2.0, total=20, curves=False)
+    assert re.search(r"^  curves +not written \(curves=False\)$", text, re.M), text
+    assert not (tmp_path / "curves.png").exists()
+
+
 @pytest.mark.parametrize("content", [None, ""])
 def test_finish_report_without_metrics_does_not_fail(tmp_path, content):
     if content is not None:

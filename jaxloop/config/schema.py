@@ -40,10 +40,11 @@ from jaxloop.settings import (
 
 
 # Engine vs trainer selected log-prob bound when rollout.max_logprob_diff is 0. The embedded
-# sampler in fp32 runs the trainer's own model (measured ~5e-7); bf16 compute (measured ~2.4e-3
+# sampler in fp32 (in the trainer or in Ray engine actors) runs the trainer's own model (measured
+# ~5e-7); bf16 compute (measured ~2.4e-3
 # on the tiny model) and vLLM (other kernels) get the bound of the reference PyTorch stack.
 def default_logprob_diff(engine: str, compute_dtype: str) -> float:
-    return 1e-3 if engine == "jax" and compute_dtype == "float32" else 0.03
+    return 1e-3 if engine in ("jax", "ray_jax") and compute_dtype == "float32" else 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,11 @@ class RunConfig:
     eval_prompts: int = knob(64, "held-out prompts per evaluation", count(1), resume=FREE)
     progress: bool = knob(
         True, "progress bar on a terminal (not a terminal: one line at the end)", resume=FREE
+    )
+    curves: bool = knob(
+        True,
+        "write <run_dir>/curves.png when the run ends (matplotlib: about 2 s of CPU)",
+        resume=FREE,
     )
     verbose: bool = knob(
         False,

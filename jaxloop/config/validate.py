@@ -12,8 +12,10 @@ import ml_collections
 from jaxloop.config.schema import DOMAINS, base_config, flat_items
 from jaxloop.errors import UsageError
 from jaxloop.models.loop_budget import check_loop_budget, parse_loop_budget
+from jaxloop.parallel.distributed import parse_resources
 from jaxloop.parallel.mesh import resolve_axis_sizes
 from jaxloop.rl.loop_credit import LOOP_CREDITS
+from jaxloop.rollout.settings import ENGINES, RAY_ENGINES
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 
@@ -44,8 +46,8 @@ def _check_run(cfg: ml_collections.ConfigDict) -> None:
             f"critic.warmup_updates={cfg.critic.warmup_updates} with {cfg.algorithm}: it has no "
             "critic to warm up"
         )
-    if cfg.rollout.engine not in ("jax", "vllm"):
-        raise UsageError(f"rollout.engine={cfg.rollout.engine!r}; expected 'jax' or 'vllm'")
+    if cfg.rollout.engine not in ENGINES:
+        raise UsageError(f"rollout.engine={cfg.rollout.engine!r}; expected one of {ENGINES}")
     if cfg.model.preset:
         from jaxloop.models.presets import FULL_SIZE
 
@@ -112,7 +114,8 @@ def _check_rollout(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.rollout.publish != "full" and cfg.rollout.engine == "jax":
         raise UsageError(
-            f"rollout.publish={cfg.rollout.publish} needs remote engines (rollout.engine=vllm): "
+            f"rollout.publish={cfg.rollout.publish} needs remote engines "
+            "(rollout.engine=vllm or ray_jax): "
             "the embedded sampler takes the trainer's arrays without a copy, nothing is sent"
         )
     for key in ("num_engines", "publish_bucket_mb"):
@@ -121,6 +124,17 @@ def _check_rollout(cfg: ml_collections.ConfigDict) -> None:
     for key in ("engine_timeout_s", "publish_timeout_s"):
         if not cfg.rollout[key] > 0:
             raise UsageError(f"rollout.{key} must be > 0 (got {cfg.rollout[key]})")
+    try:
+        engine_resources = parse_resources(cfg.rollout.engine_resources)
+    except ValueError as e:
+        raise UsageError(
+            f"rollout.engine_resources={cfg.rollout.engine_resources!r}: {e}"
+        ) from None
+    if engine_resources and cfg.rollout.engine in RAY_ENGINES and not cfg.rollout.ray_address:
+        raise UsageError(
+            "rollout.engine_resources needs rollout.ray_address: the Ray cluster a run starts "
+            "for itself has no custom resources"
+        )
 
 
 def _check_learner_and_data(cfg: ml_collections.ConfigDict) -> None:
@@ -298,9 +312,4 @@ def validate_mesh(cfg: ml_collections.ConfigDict, num_devices: int, model_config
     check_loop_credit(cfg, model_config)
     check_loop_budget(parse_loop_budget(cfg.model.loop_budget), model_config.num_loops)
     check_early_exit(cfg, model_config)
-    if cfg.rollout.engine != "jax" and cfg.dist.num_processes > 1:
-        raise UsageError(
-            "rollout.engine=vllm with dist.num_processes > 1 is not supported: remote engines "
-            "are fed by a single trainer process"
-        )
     return sizes

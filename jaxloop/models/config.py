@@ -15,6 +15,8 @@ __all__ = ["ConfigError", "LoopedConfig", "tiny_hf_config"]
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
+# LoopedConfig fields that are not architecture (config.json leaves them out)
+NUMERICS = ("param_dtype", "compute_dtype", "remat", "attention_impl", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,12 @@ class LoopedConfig:
 
     def replace(self, **changes) -> LoopedConfig:
         return dataclasses.replace(self, **changes)
+
+    def numerics(self) -> dict[str, Any]:
+        """The fields config.json does not carry (dtypes, remat, attention, scan): with
+        `from_hf_dict(to_hf_dict()).replace(**numerics())` a remote engine builds the same
+        program as the trainer's sampler (scan vs unrolled layers round differently by ~1 ulp)."""
+        return {name: getattr(self, name) for name in NUMERICS}
 
     @property
     def num_groups(self) -> int:

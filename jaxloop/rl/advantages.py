@@ -230,3 +230,17 @@ def grpo_estimator(inputs: AdvantageInputs, hp: AdvantageHParams):
     """Group-relative advantages; no returns (no critic). A KL to the reference enters GRPO's loss,
     not its rewards."""
     return grpo(inputs.scores, inputs.group_ids, inputs.mask, use_std=hp.grpo_use_std), None
+
+
+def value_metrics(values: jax.Array, returns: jax.Array, mask: jax.Array) -> dict:
+    """The critic's values against the returns, before any whitening (returns - values is
+    GAE's raw advantage), and the explained variance."""
+    raw = returns - values
+    var_r = masked_var(returns, mask)
+    return {
+        "raw_advantage_mean": masked_mean(raw, mask),
+        "raw_advantage_std": jnp.sqrt(masked_var(raw, mask)),
+        "value_mean": masked_mean(values, mask),
+        "value_std": jnp.sqrt(masked_var(values, mask)),
+        "explained_variance": 1.0 - masked_var(returns - values, mask) / jnp.maximum(var_r, 1e-8),
+    }

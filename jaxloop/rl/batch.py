@@ -11,7 +11,7 @@ otherwise, so a full-depth batch is what it always was.
 
 Samples of the embedded sampler asked for per-loop log-probs add `loop_behav_logprobs` (each
 response target's log-prob under every loop's logits, padded like `behav_logprobs`): a host-only
-field for the engine-vs-trainer check of every loop, not sent to the learner (`arrays`).
+field for the engine-vs-trainer check of every loop, not sent to the learner (`train_batch`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxloop.mathutil import round_up
+from jaxloop.rl.train_batch import TrainBatch
 
 BATCH_FIELDS = (
     "tokens",
@@ -212,6 +213,8 @@ class RolloutBatch:
             fields[name] = x
         return RolloutBatch(**fields)
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The learner's input (host-only fields left out)."""
-        return {name: getattr(self, name) for name in self._fields() if name not in HOST_FIELDS}
+    def train_batch(self) -> TrainBatch:
+        """The learner's input, host arrays (host-only fields left out)."""
+        return TrainBatch(
+            **{name: getattr(self, name) for name in self._fields() if name not in HOST_FIELDS}
+        )

@@ -1,4 +1,4 @@
-"""The learner: pure jitted functions of (TrainState, batch).
+"""The learner: pure jitted functions of (TrainState, TrainBatch).
 
     old_logprobs(state, batch)        -> [N, T] selected-token log-probs of the actor
     update(state, batch)              -> (state, metrics): reference log-probs, values, advantages
@@ -8,6 +8,8 @@
 The learner knows the algorithm only through its registry entry (`rl.algorithms.Algorithm`):
 which policy loss and advantage estimator, whether the loss needs the frozen old policy's
 full-vocabulary logits. Whether there is a critic or a reference is a property of the state.
+The loop budget K is a static argument of every entry (`num_loops`): one Learner, one compiled
+program per K, the model running its first K loops (`looped_forward(num_loops=K)`).
 Every jitted entry (the fused update, its offloaded phases, the old log-probs) has explicit in/out
 shardings and runs under `jax.set_mesh` (so the model's activation constraints apply); one device
 is a mesh of one, with the same jits. `update` donates the state it replaces (an offloaded phase
@@ -20,14 +22,13 @@ per-loop loss in `rl.loop_credit`, memory offload in `rl.offload`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxloop.mathutil import round_up
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl import advantages as adv_lib
 from jaxloop.rl import microbatch as mb
@@ -43,10 +44,12 @@ from jaxloop.rl.losses import (
     reduce_loss,
     value_loss,
 )
+from jaxloop.rl.microbatch import MicroBatch
 from jaxloop.rl.offload import OffloadConfig
-from jaxloop.rl.packing import pack_groups
+from jaxloop.rl.packing import PackedRows
 from jaxloop.rl.state import COUNTERS, TrainState, advance_counters
 from jaxloop.rl.stats import LoopStats, ModelInputs, loop_stats, token_stats, token_values
+from jaxloop.rl.train_batch import Prepared, TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +69,8 @@ NO_OFFLOAD = OffloadConfig()
 
 
 class Learner:
-    """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the two
-    jitted functions. It holds no parameters: those live in the TrainState."""
+    """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the
+    jitted entries. It holds no parameters: those live in the TrainState."""
 
     def __init__(
         self,
@@ -115,40 +118,44 @@ class Learner:
         rows = self.batch_sharding = shd.batch_sharding(self.mesh, ndim=1)
         rep, part, state = shd.replicated(self.mesh), self._part, self.state_shardings
         counters = {name: part(name) for name in COUNTERS}
+        # static: with_hidden / critic_only, and the loop budget (one compiled program per K)
         self._old_logprobs = jax.jit(
             self._old_logprobs_impl,
-            static_argnums=2,
+            static_argnums=(2, 3),
             in_shardings=(part("actor_params"), rows),
             out_shardings=rows,
         )
         self._update = jax.jit(
             self._update_impl,
-            static_argnums=2,
+            static_argnums=(2, 3),
             in_shardings=(state, rows),
             out_shardings=(state, rep),
             donate_argnums=0,
         )
-        # without 'old_logprobs' in the batch: the old log-probs come back as a third output
+        # without old_logprobs in the batch: the old log-probs come back as a third output
         self._update_fused = jax.jit(
             self._update_impl,
-            static_argnums=2,
+            static_argnums=(2, 3),
             in_shardings=(state, rows),
             out_shardings=(state, rep, rows),
             donate_argnums=0,
         )
         self._prepare = jax.jit(
             self._prepare_impl,
+            static_argnums=3,
             in_shardings=(part("ref_params"), part("critic_params"), rows),
             out_shardings=(rows, rep),
         )
         self._actor_phase = jax.jit(
             self._actor_impl,
+            static_argnums=4,
             in_shardings=(part("actor_params"), part("actor_opt"), rows, rows),
             out_shardings=(part("actor_params"), part("actor_opt"), rep, rep, rep, rows),
             donate_argnums=(0, 1),
         )
         self._critic_phase = jax.jit(
             self._critic_impl,
+            static_argnums=4,
             in_shardings=(part("critic_params"), part("critic_opt"), rows, rows),
             out_shardings=(part("critic_params"), part("critic_opt"), rep, rep),
             donate_argnums=(0, 1),
@@ -163,32 +170,19 @@ class Learner:
     def _mesh_context(self):
         return jax.set_mesh(self.mesh)
 
-    def place_batch(self, arrays: dict) -> dict:
+    def place_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host arrays -> device arrays, sample axis over the data-parallel mesh axes; with
-        packing, plus the packed rows of both micro-batch layouts (`pack_plan`)."""
-        if self.cfg.pack_tokens > 0:
-            if "depths" in arrays:
-                raise ValueError("packed rows carry no per-token depths (early-exit rollouts)")
-            arrays = {**arrays, **self.pack_plan(arrays)}
-        return {k: shd.put_global(v, self.batch_sharding) for k, v in arrays.items()}
-
-    def pack_plan(self, arrays: dict) -> dict[str, np.ndarray]:
-        """The packing of one batch (host arrays, deterministic): `pack_*` for the per-sample
-        passes and the critic (micro-batches of consecutive samples, `split_micro`), `step_pack_*`
-        for the policy steps (each step's micro-batches, `step_plan`). Each micro-batch's samples
-        fill rows of cfg.pack_tokens tokens; the rows, like the padded path's samples, are split
-        over the data-parallel devices, so packing saves work when a micro-batch holds several
-        samples per device."""
+        packing, plus the packed rows of both micro-batch layouts (`microbatch.pack_plan`)."""
         cfg = self.cfg
-        tokens, attn = arrays["tokens"], arrays["attention_mask"]
-        n, micro = tokens.shape[0], cfg.micro_batch_size
-        whole = np.arange(round_up(n, micro)).reshape(-1, micro)
-        steps = mb.step_plan(n, cfg.updates_per_rollout, micro).reshape(-1, micro)
-        plans = {}
-        for prefix, groups in (("pack_", whole), ("step_pack_", steps)):
-            packed = pack_groups(tokens, attn, groups, cfg.pack_tokens, self.row_multiple)
-            plans.update(packed.arrays(prefix))
-        return plans
+        if cfg.pack_tokens > 0:
+            if batch.depths is not None:
+                raise ValueError("packed rows carry no per-token depths (early-exit rollouts)")
+            micro, steps = cfg.micro_batch_size, cfg.updates_per_rollout
+            pack, step_pack = mb.pack_plan(
+                batch.tokens, batch.attention_mask, micro, steps, cfg.pack_tokens, self.row_multiple
+            )
+            batch = batch.replace(pack=pack, step_pack=step_pack)
+        return jax.tree.map(lambda x: shd.put_global(x, self.batch_sharding), batch)
 
     # ---- the public pure functions ----
     @property
@@ -196,17 +190,20 @@ class Learner:
         """Per-loop credit: the loss (and the old / reference log-probs) are per loop."""
         return self.cfg.loop_credit != "last"
 
-    def old_logprobs(self, state: TrainState, batch: dict, with_hidden: bool = False):
+    def old_logprobs(
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        with_hidden: bool = False,
+        *,
+        num_loops: int | None = None,
+    ):
         """[N, T] log-probs of the actor (with_hidden: and the [N, T, E] LM-head inputs of the
-        last loop); per-loop credit: [L, N, T], loop t's log-probs (the last loop's is entry -1,
-        the one the engine sampled from)."""
+        last loop); per-loop credit: [N, L, T] (`TrainBatch.old_logprobs`). num_loops: the loop
+        budget K, a static argument of every entry (the model runs its first K loops; None:
+        all of them)."""
         with self._mesh_context():
-            out = self._old_logprobs(state.actor_params, batch, with_hidden)
-            if not self.per_loop:
-                return out
-            lp, hidden = out if with_hidden else (out, None)
-            lp = jnp.moveaxis(lp, 1, 0)  # computed sample axis first, as every batch field
-            return (lp, hidden) if with_hidden else lp
+            return self._old_logprobs(state.actor_params, batch, with_hidden, num_loops)
 
     @property
     def fuses_old_logprobs(self) -> bool:
@@ -217,9 +214,11 @@ class Learner:
         still gets them)."""
         return self.cfg.updates_per_rollout == 1 and not self.per_loop
 
-    def update_fused(self, state: TrainState, batch: dict) -> tuple[TrainState, dict, jax.Array]:
+    def update_fused(
+        self, state: TrainState, batch: TrainBatch, *, num_loops: int | None = None
+    ) -> tuple[TrainState, dict, jax.Array]:
         """`update` without a separate old-log-prob forward (`fuses_old_logprobs`): `batch`
-        holds the RolloutBatch fields only; returns (state, metrics, the [N, T] old log-probs,
+        has no old_logprobs; returns (state, metrics, the [N, T] old log-probs,
         i.e. the received policy's, as `old_logprobs` would give them)."""
         if not self.fuses_old_logprobs:
             raise ValueError(
@@ -227,101 +226,107 @@ class Learner:
                 f"(updates_per_rollout={self.cfg.updates_per_rollout}, "
                 f"loop_credit={self.cfg.loop_credit})"
             )
-        if "old_logprobs" in batch or state.ref_params is not None:
+        if batch.old_logprobs is not None or state.ref_params is not None:
             raise ValueError(
                 "update_fused: the batch carries old_logprobs, or the state has a reference "
                 "(its KL term reads them before the policy step): use old_logprobs + update"
             )
         with self._mesh_context():
             if self.offload.any:
-                return self._update_offloaded(state, batch)
-            return self._update_fused(state, batch, False)
-
-    def _with_loop_logprobs(self, batch: dict) -> dict:
-        """Per-loop credit: the [L, N, T] 'old_logprobs' -> 'old_logprobs' the last loop's [N, T]
-        (advantages, metrics) and 'loop_old_logprobs' [N, L, T] (sample axis first, placed like
-        every batch field)."""
-        if not self.per_loop:
-            return batch
-        old = batch["old_logprobs"]
-        if old.ndim != 3:
-            raise ValueError(
-                f"loop_credit={self.cfg.loop_credit}: old_logprobs must be per loop [L, N, T] "
-                f"(Learner.old_logprobs), got shape {old.shape}"
-            )
-        fields = {"old_logprobs": old[-1], "loop_old_logprobs": jnp.moveaxis(old, 0, 1)}
-        fields = {k: jax.device_put(v, self.batch_sharding) for k, v in fields.items()}
-        return {**batch, **fields}
+                return self._update_offloaded(state, batch, False, num_loops)
+            return self._update_fused(state, batch, False, num_loops)
 
     def update(
-        self, state: TrainState, batch: dict, critic_only: bool = False
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        critic_only: bool = False,
+        *,
+        num_loops: int | None = None,
     ) -> tuple[TrainState, dict]:
-        """One rollout's optimizer steps. `batch` holds the RolloutBatch fields plus
-        'old_logprobs' (per-loop credit: `old_logprobs`'s [L, N, T]). `critic_only` (critic
-        warm-up): only the critic's steps; the actor, its optimizer state and the policy version
-        stay. The input state is donated: use only the returned one."""
+        """One rollout's optimizer steps. `batch` carries old_logprobs (`old_logprobs`'s: per
+        loop [N, L, T] with per-loop credit). `critic_only` (critic warm-up): only the critic's
+        steps; the actor, its optimizer state and the policy version stay. num_loops: the loop
+        budget K of the actor, reference and critic (None: all loops). The input state is
+        donated: use only the returned one."""
         if critic_only and self.critic_graphdef is None:
             raise ValueError("critic_only update without a critic")
-        if "old_logprobs" not in batch:
+        if batch.old_logprobs is None:
             raise ValueError("update: the batch has no 'old_logprobs' (see update_fused)")
+        want = 3 if self.per_loop else 2
+        if batch.old_logprobs.ndim != want:
+            raise ValueError(
+                f"loop_credit={self.cfg.loop_credit}: old_logprobs must have {want} axes "
+                f"(Learner.old_logprobs), got shape {batch.old_logprobs.shape}"
+            )
         with self._mesh_context():
-            batch = self._with_loop_logprobs(batch)
             if self.offload.any:
-                return self._update_offloaded(state, batch, critic_only)
-            return self._update(state, batch, critic_only)
+                return self._update_offloaded(state, batch, critic_only, num_loops)
+            return self._update(state, batch, critic_only, num_loops)
 
     # ---- offloading ----
     def rest(self, state: TrainState) -> TrainState:
         """`state` with every offloaded part in host memory (after init or restore)."""
         return offload_lib.rest(self.offload, state)
 
-    def _update_offloaded(self, state: TrainState, batch: dict, critic_only: bool = False):
+    def _update_offloaded(
+        self, state: TrainState, batch: TrainBatch, critic_only: bool, loops: int | None
+    ):
         """The update as its phases with the offloaded parts moved in and out between them; the
         moves' times and sizes are in the metrics (`offload.move`)."""
         phases = offload_lib.Phases(
-            self._prepare, self._actor_phase, self._critic_phase, self._counters
+            lambda ref, critic, b: self._prepare(ref, critic, b, loops),
+            lambda params, opt, b, prepared: self._actor_phase(params, opt, b, prepared, loops),
+            lambda params, opt, b, prepared: self._critic_phase(params, opt, b, prepared, loops),
+            self._counters,
         )
         trained, counted, metrics, old_lp = offload_lib.run_phases(
             phases, self.offload, state, batch, critic_only
         )
         new_state, metrics = _next_state(state, trained, counted, metrics)
-        return (new_state, metrics) if "old_logprobs" in batch else (new_state, metrics, old_lp)
+        fused = batch.old_logprobs is None
+        return (new_state, metrics, old_lp) if fused else (new_state, metrics)
 
     # ---- implementations ----
-    def _model_inputs(self, batch: dict) -> dict:
-        """The per-sample model inputs of `batch` ([N, ...]): tokens and attention mask, or
-        with packing the index into the packed rows."""
+    def _model_inputs(self, packed: PackedRows | None, batch: TrainBatch, **fields):
+        """The per-sample ([N, ...]) model inputs of `batch` plus `fields`: tokens and attention
+        mask (and an early-exit rollout's depths and exit mask), or with packing the index into
+        `packed`'s rows (the rows themselves are split by `split_rows`)."""
         if self.cfg.pack_tokens > 0:
-            return {"rows_index": batch["pack_index"]}
-        inputs = {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"]}
-        # early-exit rollouts: the depths to replay (and where the exit choice is an action)
-        inputs.update({k: batch[k] for k in ("depths", "exit_mask") if k in batch})
-        return inputs
+            rows_index = PackedRows(None, None, None, None, packed.index)
+            return MicroBatch(rows=rows_index, **fields)
+        return MicroBatch(
+            tokens=batch.tokens,
+            attention_mask=batch.attention_mask,
+            depths=batch.depths,
+            exit_mask=batch.exit_mask,
+            **fields,
+        )
 
-    def _split_inputs(self, batch: dict, per_sample: dict) -> dict:
+    def _split_inputs(self, batch: TrainBatch, per_sample: MicroBatch) -> MicroBatch:
         """`split_micro` of per-sample fields plus, with packing, the micro-batches' rows."""
         parts = mb.split_micro(per_sample, self.cfg.micro_batch_size)
         if self.cfg.pack_tokens > 0:
-            parts.update(mb.split_rows(batch, "pack_", (next(iter(parts.values())).shape[0],)))
+            index = parts.rows.index
+            parts = parts.replace(rows=mb.split_rows(batch.pack, index.shape[:1], index))
         return parts
 
-    def _per_sample(self, fn, params, batch: dict):
+    def _per_sample(self, fn, params, batch: TrainBatch):
         """fn(params, micro-batch inputs) over micro-batches; results back as [N, ...]."""
-        n = batch["tokens"].shape[0]
-        parts = self._split_inputs(batch, self._model_inputs(batch))
+        n = batch.tokens.shape[0]
+        parts = self._split_inputs(batch, self._model_inputs(batch.pack, batch))
         out = jax.lax.scan(lambda _, x: (None, fn(params, x)), None, parts)[1]
         return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:n], out)
 
-    def _inputs(self, x: dict) -> ModelInputs:
+    def _inputs(self, x: MicroBatch) -> ModelInputs:
         """The model inputs of a micro-batch `x` (padded samples or packed rows)."""
-        if "rows_index" in x:
-            return ModelInputs.packed(x)
-        return ModelInputs.padded(
-            x["tokens"], x["attention_mask"], x.get("depths"), x.get("exit_mask")
-        )
+        if x.rows is not None:
+            return ModelInputs.packed(x.rows)
+        return ModelInputs.padded(x.tokens, x.attention_mask, x.depths, x.exit_mask)
 
-    def _token_stats(self, params, x: dict, old_params=None):
-        """Per-sample token stats of a micro-batch `x` (padded samples or packed rows)."""
+    def _token_stats(self, params, x: MicroBatch, loops: int | None, old_params=None):
+        """Per-sample token stats of a micro-batch `x` (padded samples or packed rows) after
+        `loops` loops (the loop budget; None: all)."""
         cfg = self.cfg
         return token_stats(
             self.actor_graphdef,
@@ -330,17 +335,18 @@ class Learner:
             cfg.temperature,
             cfg.logits_chunk,
             old_params,
+            loops,
         )
 
-    def _values(self, params, x: dict):
-        return token_values(self.critic_graphdef, params, self._inputs(x))
+    def _values(self, loops: int | None, params, x: MicroBatch):
+        return token_values(self.critic_graphdef, params, self._inputs(x), loops)
 
-    def _actor_logprobs(self, params, x: dict):
-        return self._token_stats(params, x)[0]
+    def _actor_logprobs(self, loops: int | None, params, x: MicroBatch):
+        return self._token_stats(params, x, loops)[0]
 
-    def _loop_stats(self, params, x: dict, old_params=None) -> LoopStats:
+    def _loop_stats(self, params, x: MicroBatch, loops: int | None, old_params=None) -> LoopStats:
         """Per-loop token stats of a micro-batch `x` (padded samples or packed rows)."""
-        if "exit_mask" in x:  # refused by the config validation (algo.depth_as_action)
+        if x.exit_mask is not None:  # refused by the config validation (algo.depth_as_action)
             raise ValueError("per-loop credit with the exit choice as an action is not supported")
         cfg = self.cfg
         return loop_stats(
@@ -350,55 +356,59 @@ class Learner:
             cfg.temperature,
             cfg.logits_chunk,
             old_params,
+            loops,
         )
 
-    def _loop_logprobs(self, params, x: dict):
+    def _loop_logprobs(self, loops: int | None, params, x: MicroBatch):
         """[micro, L, T]: each loop's selected log-probs, sample axis first."""
-        return jnp.moveaxis(self._loop_stats(params, x).logprobs, 0, 1)
+        return self._loop_stats(params, x, loops).sample_major_logprobs
 
-    def _old_logprobs_impl(self, actor_params, batch: dict, with_hidden: bool):
+    def _old_logprobs_impl(
+        self, actor_params, batch: TrainBatch, with_hidden: bool, loops: int | None = None
+    ):
         def fn(params, x):
             if self.per_loop:
-                stats = self._loop_stats(params, x)
-                lp, hidden = jnp.moveaxis(stats.logprobs, 0, 1), stats.hidden
+                stats = self._loop_stats(params, x, loops)
+                lp, hidden = stats.sample_major_logprobs, stats.hidden
             else:
-                lp, _, _, hidden = self._token_stats(params, x)
+                lp, _, _, hidden = self._token_stats(params, x, loops)
             return (lp, hidden) if with_hidden else lp
 
         return self._per_sample(fn, actor_params, batch)
 
-    def _loop_policy_micro_loss(self, old_params, num_samples, num_tokens):
+    def _loop_policy_micro_loss(self, old_params, num_samples, num_tokens, loops):
         """Per-loop credit: `loop_credit.per_loop_policy_loss` of the loop stats."""
         algo, hp = self.algorithm, self.hp
         loss_fn = POLICY_LOSSES[algo.policy_loss]
 
         def micro_loss(p, x):
-            stats = self._loop_stats(p, x, old_params if algo.needs_old_policy_logits else None)
+            old = old_params if algo.needs_old_policy_logits else None
+            stats = self._loop_stats(p, x, loops, old)
             per_token, metrics = per_loop_policy_loss(loss_fn, hp, self.cfg.loop_credit, stats, x)
-            loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
-            return loss, masked_metric_sums(metrics, x["mask"])
+            loss = reduce_loss(per_token, x.mask, hp.reduction, num_samples, num_tokens)
+            return loss, masked_metric_sums(metrics, x.mask)
 
         return micro_loss
 
-    def _policy_micro_loss(self, old_params, num_samples, num_tokens):
+    def _policy_micro_loss(self, old_params, num_samples, num_tokens, loops):
         if self.per_loop:
-            return self._loop_policy_micro_loss(old_params, num_samples, num_tokens)
+            return self._loop_policy_micro_loss(old_params, num_samples, num_tokens, loops)
         algo, hp = self.algorithm, self.hp
         loss_fn = POLICY_LOSSES[algo.policy_loss]
 
         def micro_loss(p, x):
             lp, entropy, old_kl, _ = self._token_stats(
-                p, x, old_params if algo.needs_old_policy_logits else None
+                p, x, loops, old_params if algo.needs_old_policy_logits else None
             )
-            fused = "old_logprobs" not in x  # one step per rollout: the old policy is p itself
-            old_lp = jax.lax.stop_gradient(lp) if fused else x["old_logprobs"]
+            fused = x.old_logprobs is None  # one step per rollout: the old policy is p itself
+            old_lp = jax.lax.stop_gradient(lp) if fused else x.old_logprobs
             inputs = LossInputs(
                 logprobs=lp,
                 old_logprobs=old_lp,
-                behav_logprobs=x["behav_logprobs"],
-                advantages=x["advantages"],
-                mask=x["mask"],
-                ref_logprobs=x.get("ref_logprobs"),
+                behav_logprobs=x.behav_logprobs,
+                advantages=x.advantages,
+                mask=x.mask,
+                ref_logprobs=x.ref_logprobs,
                 old_kl=old_kl,
             )
             per_token, metrics = loss_fn(inputs, hp)
@@ -407,94 +417,80 @@ class Learner:
             metrics = dict(metrics)
             metrics["approx_kl"] = kl_penalty(lp, old_lp, "k3")
             metrics["entropy"] = entropy
-            loss = reduce_loss(per_token, x["mask"], hp.reduction, num_samples, num_tokens)
-            sums = masked_metric_sums(metrics, x["mask"])
+            loss = reduce_loss(per_token, x.mask, hp.reduction, num_samples, num_tokens)
+            sums = masked_metric_sums(metrics, x.mask)
             return loss, ((sums, old_lp) if fused else sums)
 
         return micro_loss
 
-    def _critic_micro_loss(self, num_samples, num_tokens):
+    def _critic_micro_loss(self, num_samples, num_tokens, loops):
         def micro_loss(p, x):
-            values = self._values(p, x)
+            values = self._values(loops, p, x)
             per_token, metrics = value_loss(
                 values,
-                x["old_values"],
-                x["returns"],
-                x["mask"],
+                x.old_values,
+                x.returns,
+                x.mask,
                 self.hp.value_clip,
                 scale=self.hp.value_loss_scale,
             )
-            loss = reduce_loss(per_token, x["mask"], self.hp.reduction, num_samples, num_tokens)
-            return loss, masked_metric_sums({"vf_clip_frac": metrics["vf_clip_frac"]}, x["mask"])
+            loss = reduce_loss(per_token, x.mask, self.hp.reduction, num_samples, num_tokens)
+            return loss, masked_metric_sums({"vf_clip_frac": metrics["vf_clip_frac"]}, x.mask)
 
         return micro_loss
 
     # ---- the three phases of one update (fused in `_update_impl`, or run one by one with
     # offloading between them) ----
-    def _prepare_impl(self, ref_params, critic_params, batch: dict):
+    def _prepare_impl(self, ref_params, critic_params, batch: TrainBatch, loops=None):
         """Reference log-probs, critic values and the algorithm's advantages (and returns)."""
-        mask, old_lp = batch["response_mask"], batch.get("old_logprobs")
-        out = {}
-        token_kl = values = None
+        mask = batch.response_mask
+        ref_lp = token_kl = values = None
         if ref_params is not None:
-            if self.per_loop:  # loop t's loss term is held to the reference's loop t
-                loop_ref = self._per_sample(self._loop_logprobs, ref_params, batch)
-                out["loop_ref_logprobs"], out["ref_logprobs"] = loop_ref, loop_ref[:, -1]
-            else:
-                out["ref_logprobs"] = self._per_sample(self._actor_logprobs, ref_params, batch)
-            token_kl = old_lp - out["ref_logprobs"]
+            # per-loop credit: loop t's loss term is held to the reference's loop t
+            ref_fn = self._loop_logprobs if self.per_loop else self._actor_logprobs
+            ref_lp = self._per_sample(functools.partial(ref_fn, loops), ref_params, batch)
+            token_kl = batch.last_loop_old_logprobs - (ref_lp[:, -1] if self.per_loop else ref_lp)
         if critic_params is not None:
-            values = out["values"] = self._per_sample(self._values, critic_params, batch)
+            values = self._per_sample(functools.partial(self._values, loops), critic_params, batch)
         estimator = adv_lib.ADVANTAGE_ESTIMATORS[self.algorithm.advantage]
-        out["advantages"], returns = estimator(
+        advantages, returns = estimator(
             adv_lib.AdvantageInputs(
-                scores=batch["scores"],
+                scores=batch.scores,
                 mask=mask,
-                group_ids=batch["group_ids"],
+                group_ids=batch.group_ids,
                 values=values,
                 token_kl=token_kl,
             ),
             self.cfg.advantage,
         )
-        if returns is not None:
-            out["returns"] = returns
         metrics = {
-            "advantage_mean": adv_lib.masked_mean(out["advantages"], mask),
-            "advantage_std": jnp.sqrt(adv_lib.masked_var(out["advantages"], mask)),
+            "advantage_mean": adv_lib.masked_mean(advantages, mask),
+            "advantage_std": jnp.sqrt(adv_lib.masked_var(advantages, mask)),
         }
         if values is not None and returns is not None:
-            # before any whitening: returns - values is GAE's raw advantage
-            raw = returns - values
-            metrics["raw_advantage_mean"] = adv_lib.masked_mean(raw, mask)
-            metrics["raw_advantage_std"] = jnp.sqrt(adv_lib.masked_var(raw, mask))
-            metrics["value_mean"] = adv_lib.masked_mean(values, mask)
-            metrics["value_std"] = jnp.sqrt(adv_lib.masked_var(values, mask))
-            metrics["explained_variance"] = _explained_variance(values, returns, mask)
-        return out, metrics
+            metrics.update(adv_lib.value_metrics(values, returns, mask))
+        return Prepared(advantages, returns, values, ref_lp), metrics
 
-    def _actor_impl(self, actor_params, actor_opt, batch: dict, prepared: dict):
+    def _actor_impl(
+        self, actor_params, actor_opt, batch: TrainBatch, prepared: Prepared, loops=None
+    ):
         """`updates_per_rollout` optimizer steps, each on its part of the batch. Returns
         (params, opt state, first step applied, all steps applied, metrics, old log-probs): the
-        last are None, or without 'old_logprobs' in `batch` (one step, `fuses_old_logprobs`)
-        the [N, T] log-probs of the received parameters from the step's own forward."""
+        last are None, or without old_logprobs in `batch` (one step, `fuses_old_logprobs`) the
+        [N, T] log-probs of the received parameters from the step's own forward."""
         cfg = self.cfg
-        packed = cfg.pack_tokens > 0
-        fused = "old_logprobs" not in batch
-        fields = {
-            **({"rows_index": batch["step_pack_index"]} if packed else self._model_inputs(batch)),
-            "mask": batch["response_mask"],
-            **({} if fused else {"old_logprobs": batch["old_logprobs"]}),
-            "behav_logprobs": batch["behav_logprobs"],
-            "advantages": prepared["advantages"],
-            "sample": batch["sample_mask"],
-        }
-        if "ref_logprobs" in prepared:
-            fields["ref_logprobs"] = prepared["ref_logprobs"]
-        if self.per_loop:  # [N, L, T], gathered like the [N, T] fields
-            fields["loop_old_logprobs"] = batch["loop_old_logprobs"]
-            if "loop_ref_logprobs" in prepared:
-                fields["loop_ref_logprobs"] = prepared["loop_ref_logprobs"]
-        n = batch["tokens"].shape[0]
+        fused = batch.old_logprobs is None
+        fields = self._model_inputs(
+            batch.step_pack,
+            batch,
+            mask=batch.response_mask,
+            old_logprobs=batch.old_logprobs,
+            behav_logprobs=batch.behav_logprobs,
+            advantages=prepared.advantages,
+            sample_mask=batch.sample_mask,
+            ref_logprobs=prepared.ref_logprobs,
+        )
+        n = batch.tokens.shape[0]
         plan = mb.step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size)
         k = plan.shape[1] // cfg.micro_batch_size
 
@@ -503,17 +499,21 @@ class Learner:
             x = x.reshape((plan.shape[0], k, cfg.micro_batch_size) + x.shape[2:])
             return shd.constrain(x, mb.micro_axes(x, 2))
 
-        parts = {name: gather(x) for name, x in fields.items()}
-        if packed:  # index n (an empty slot) gathered an all-zero index row: it reads 0
-            parts.update(mb.split_rows(batch, "step_pack_", (plan.shape[0], k)))
+        parts = jax.tree.map(gather, fields)
+        if (
+            cfg.pack_tokens > 0
+        ):  # index n (an empty slot) gathered an all-zero index row: it reads 0
+            index = parts.rows.index
+            parts = parts.replace(rows=mb.split_rows(batch.step_pack, (plan.shape[0], k), index))
         # pi_old (Flow-DPPO): the actor parameters this update received, frozen for its steps
         old_params = actor_params if self.algorithm.needs_old_policy_logits else None
 
-        def policy_step(carry, part):
+        def policy_step(carry, part: MicroBatch):
             params, opt_state, ok = carry
-            part = dict(part)
-            num_samples = jnp.sum(part.pop("sample"))
-            micro_loss = self._policy_micro_loss(old_params, num_samples, jnp.sum(part["mask"]))
+            num_samples = jnp.sum(part.sample_mask)
+            part = part.replace(sample_mask=None)
+            num_tokens = jnp.sum(part.mask)
+            micro_loss = self._policy_micro_loss(old_params, num_samples, num_tokens, loops)
             grads, loss, sums, *old_lp = mb.accumulate(micro_loss, params, part, fused)
             grad_norm = optax.tree.norm(grads)
             ok = ok & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -530,7 +530,8 @@ class Learner:
         carry, per_step = (actor_params, actor_opt, jnp.bool_(True)), []
         first_ok = old_lp = None
         for i in range(plan.shape[0]):
-            carry, step_metrics, step_lp = policy_step(carry, {k: v[i] for k, v in parts.items()})
+            step_part = jax.tree.map(lambda v, i=i: v[i], parts)
+            carry, step_metrics, step_lp = policy_step(carry, step_part)
             first_ok = carry[2] if first_ok is None else first_ok
             per_step.append(step_metrics)
             if step_lp is not None:  # one step: plan[0] is 0..n-1, then the padding index n
@@ -539,19 +540,16 @@ class Learner:
         metrics = {name: jnp.mean(jnp.stack([m[name] for m in per_step])) for name in per_step[0]}
         return params, opt_state, first_ok, all_ok, metrics, old_lp
 
-    def _critic_impl(self, critic_params, critic_opt, batch: dict, prepared: dict):
+    def _critic_impl(
+        self, critic_params, critic_opt, batch: TrainBatch, prepared: Prepared, loops=None
+    ):
         """`critic.steps_per_rollout` value-loss steps on the whole batch."""
-        cfg, mask = self.cfg, batch["response_mask"]
-        cbatch = self._split_inputs(
-            batch,
-            {
-                **self._model_inputs(batch),
-                "mask": mask,
-                "old_values": prepared["values"],
-                "returns": prepared["returns"],
-            },
+        cfg, mask = self.cfg, batch.response_mask
+        per_sample = self._model_inputs(
+            batch.pack, batch, mask=mask, old_values=prepared.values, returns=prepared.returns
         )
-        micro_loss = self._critic_micro_loss(jnp.sum(batch["sample_mask"]), jnp.sum(mask))
+        cbatch = self._split_inputs(batch, per_sample)
+        micro_loss = self._critic_micro_loss(jnp.sum(batch.sample_mask), jnp.sum(mask), loops)
 
         def critic_step(carry):
             params, opt_state, ok = carry
@@ -572,26 +570,29 @@ class Learner:
         params, opt_state, ok = carry
         return params, opt_state, ok, metrics
 
-    def _update_impl(self, state: TrainState, batch: dict, critic_only: bool = False):
-        prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch)
+    def _update_impl(
+        self, state: TrainState, batch: TrainBatch, critic_only: bool = False, loops=None
+    ):
+        prepared, metrics = self._prepare_impl(state.ref_params, state.critic_params, batch, loops)
         actor_params, actor_opt = state.actor_params, state.actor_opt
         first_ok, actor_ok = jnp.bool_(False), jnp.bool_(True)  # critic_only: nothing applied
         old_lp = None
         if not critic_only:
             actor_params, actor_opt, first_ok, actor_ok, actor_metrics, old_lp = self._actor_impl(
-                state.actor_params, state.actor_opt, batch, prepared
+                state.actor_params, state.actor_opt, batch, prepared, loops
             )
             metrics.update(actor_metrics)
         critic_params, critic_opt, critic_ok = state.critic_params, state.critic_opt, True
         if state.critic_params is not None:
             critic_params, critic_opt, critic_ok, critic_metrics = self._critic_impl(
-                state.critic_params, state.critic_opt, batch, prepared
+                state.critic_params, state.critic_opt, batch, prepared, loops
             )
             metrics.update(critic_metrics)
         counted = advance_counters(state.counters, first_ok, actor_ok, critic_ok)
         trained = (actor_params, actor_opt, critic_params, critic_opt)
         new_state, metrics = _next_state(state, trained, counted, metrics)
-        return (new_state, metrics) if "old_logprobs" in batch else (new_state, metrics, old_lp)
+        fused = batch.old_logprobs is None
+        return (new_state, metrics, old_lp) if fused else (new_state, metrics)
 
 
 def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict):
@@ -600,12 +601,6 @@ def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict
     counters, skipped = counted
     metrics["skipped"] = skipped.astype(jnp.float32)
     return state.apply_update(*trained, counters), metrics
-
-
-def _explained_variance(values, returns, mask):
-    var_r = adv_lib.masked_var(returns, mask)
-    var_diff = adv_lib.masked_var(returns - values, mask)
-    return 1.0 - var_diff / jnp.maximum(var_r, 1e-8)
 
 
 def metrics_to_host(metrics: dict) -> dict[str, float]:

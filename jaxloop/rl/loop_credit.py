@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # jaxloop.config reads LOOP_CREDITS from here: importing it l
     import jax
 
     from jaxloop.rl.losses import LossHParams
+    from jaxloop.rl.microbatch import MicroBatch
     from jaxloop.rl.stats import LoopStats
 
 # last: the loss of the last loop alone (the engine samples from it); the others weigh every loop
@@ -37,11 +38,11 @@ def loop_weights(credit: str, num_loops: int, exit_probs: jax.Array | None = Non
 
 
 def per_loop_policy_loss(
-    loss_fn: Callable, hp: LossHParams, credit: str, stats: LoopStats, x: dict
+    loss_fn: Callable, hp: LossHParams, credit: str, stats: LoopStats, x: MicroBatch
 ) -> tuple[jax.Array, dict]:
     """Per token sum_t w_t loss_t (`loop_weights`), loss_t = `loss_fn` of loop t's log-probs
     against loop t's old / proximal (and reference) log-probs of the micro-batch `x`
-    ('loop_old_logprobs', 'loop_ref_logprobs': [micro, L, T]); the behaviour log-probs (the
+    (old_logprobs, ref_logprobs: [micro, L, T], loop t at [:, t]); the behaviour log-probs (the
     engine's, of the last loop) serve every loop; Flow-DPPO gates loop t by its own D_t. The
     metrics are the last loop's (as with loop_credit=last); per loop (t = 1..L): loop<t>_entropy,
     loop<t>_kl_to_last (KL(pi_last || pi_t)) and loop<t>_weight (the mean w_t)."""
@@ -51,18 +52,16 @@ def per_loop_policy_loss(
 
     loops = stats.logprobs.shape[0]
     weights = loop_weights(credit, loops, stats.exit_probs)
-    old = jnp.moveaxis(x["loop_old_logprobs"], 1, 0)
-    ref = x.get("loop_ref_logprobs")
-    ref = None if ref is None else jnp.moveaxis(ref, 1, 0)
+    old, ref = x.old_logprobs, x.ref_logprobs
     per_token, loop_metrics = 0.0, {}
     for t in range(loops):
         inputs = LossInputs(
             logprobs=stats.logprobs[t],
-            old_logprobs=old[t],
-            behav_logprobs=x["behav_logprobs"],
-            advantages=x["advantages"],
-            mask=x["mask"],
-            ref_logprobs=None if ref is None else ref[t],
+            old_logprobs=old[:, t],
+            behav_logprobs=x.behav_logprobs,
+            advantages=x.advantages,
+            mask=x.mask,
+            ref_logprobs=None if ref is None else ref[:, t],
             old_kl=None if stats.old_kl is None else stats.old_kl[t],
         )
         loss_t, metrics = loss_fn(inputs, hp)
@@ -71,9 +70,9 @@ def per_loop_policy_loss(
         per_token = per_token + weights[t] * loss_t
         loop_metrics[f"loop{t + 1}_entropy"] = stats.entropy[t]
         loop_metrics[f"loop{t + 1}_kl_to_last"] = stats.kl_to_last[t]
-        loop_metrics[f"loop{t + 1}_weight"] = jnp.broadcast_to(weights[t], x["mask"].shape)
+        loop_metrics[f"loop{t + 1}_weight"] = jnp.broadcast_to(weights[t], x.mask.shape)
     metrics = dict(metrics)  # the last loop's
-    metrics["approx_kl"] = kl_penalty(stats.logprobs[-1], old[-1], "k3")
+    metrics["approx_kl"] = kl_penalty(stats.logprobs[-1], old[:, -1], "k3")
     metrics["entropy"] = stats.entropy[-1]
     metrics.update(loop_metrics)
     return per_token, metrics

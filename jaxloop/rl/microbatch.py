@@ -8,10 +8,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
+from jaxloop.mathutil import round_up
 from jaxloop.parallel import mesh as shd
-from jaxloop.rl.batch import round_up
-from jaxloop.rl.packing import PACK_KEYS
+from jaxloop.rl.packing import PackedRows, pack_groups
+
+
+@struct.dataclass
+class MicroBatch:
+    """What one pass over micro-batches reads (a pytree; the fields a pass does not read are
+    None). Per sample [micro, ...]; before the split the same with leading [K] (the per-sample
+    passes, the critic) or [steps, K] (the policy steps) axes.
+
+    The model input, padded samples (tokens [micro, S], attention_mask [micro, S], depths and
+    exit_mask [micro, T] of early-exit rollouts) or packed rows (`rows`: [R, P] rows, index
+    [micro, T]). The loss fields, [micro, T] float32 unless said otherwise: mask (response
+    targets), behav_logprobs, old_logprobs ([micro, L, T] with per-loop credit; None in a fused
+    update: the step's own forward is the old policy), advantages, ref_logprobs (laid out as
+    old_logprobs), old_values and returns (the critic), sample_mask [micro]."""
+
+    tokens: jax.Array | None = None
+    attention_mask: jax.Array | None = None
+    depths: jax.Array | None = None
+    exit_mask: jax.Array | None = None
+    rows: PackedRows | None = None
+    mask: jax.Array | None = None
+    behav_logprobs: jax.Array | None = None
+    old_logprobs: jax.Array | None = None
+    advantages: jax.Array | None = None
+    ref_logprobs: jax.Array | None = None
+    old_values: jax.Array | None = None
+    returns: jax.Array | None = None
+    sample_mask: jax.Array | None = None
 
 
 def micro_axes(x: jax.Array, micro_axis: int) -> tuple:
@@ -20,10 +49,10 @@ def micro_axes(x: jax.Array, micro_axis: int) -> tuple:
     return tuple(axes)
 
 
-def split_micro(batch: dict, micro: int) -> dict:
-    """[N, ...] -> [K, micro, ...], padding N with zero rows (mask 0: no loss, no metrics); the
-    micro axis is the sharded one."""
-    n = next(iter(batch.values())).shape[0]
+def split_micro(batch, micro: int):
+    """Each [N, ...] leaf of the pytree `batch` -> [K, micro, ...], padding N with zero rows
+    (mask 0: no loss, no metrics); the micro axis is the sharded one."""
+    n = jax.tree.leaves(batch)[0].shape[0]
     total = round_up(n, micro)
 
     def pad(x):
@@ -32,18 +61,20 @@ def split_micro(batch: dict, micro: int) -> dict:
         x = x.reshape((total // micro, micro) + x.shape[1:])
         return shd.constrain(x, micro_axes(x, 1))
 
-    return {k: pad(v) for k, v in batch.items()}
+    return jax.tree.map(pad, batch)
 
 
-def split_rows(batch: dict, prefix: str, leading: tuple) -> dict:
-    """Packed rows [prod(leading) * R, P] of `batch` -> `rows_*` [*leading, R, P], the rows
-    axis sharded (each micro-batch's rows spread over the data-parallel devices)."""
-    out = {}
-    for key in PACK_KEYS:
-        x = batch[prefix + key]
+def split_rows(packed: PackedRows, leading: tuple, index: jax.Array) -> PackedRows:
+    """Packed rows [prod(leading) * R, P] -> [*leading, R, P], the rows axis sharded (each
+    micro-batch's rows spread over the data-parallel devices), with `index` the per-sample index
+    already split like the other per-sample fields."""
+
+    def split(x):
         x = x.reshape(leading + (-1,) + x.shape[1:])
-        out["rows_" + key] = shd.constrain(x, micro_axes(x, len(leading)))
-    return out
+        return shd.constrain(x, micro_axes(x, len(leading)))
+
+    rows = (packed.tokens, packed.targets, packed.positions, packed.segment_ids)
+    return PackedRows(*(split(x) for x in rows), index=index)
 
 
 def step_plan(n: int, steps: int, micro: int) -> np.ndarray:
@@ -55,6 +86,29 @@ def step_plan(n: int, steps: int, micro: int) -> np.ndarray:
     for i, p in enumerate(parts):
         plan[i, : len(p)] = p
     return plan
+
+
+def pack_plan(
+    tokens: np.ndarray,
+    attention_mask: np.ndarray,
+    micro: int,
+    steps: int,
+    pack_tokens: int,
+    row_multiple: int,
+) -> tuple[PackedRows, PackedRows]:
+    """The packing of one batch (host arrays, deterministic): the rows of the per-sample passes
+    and the critic (micro-batches of consecutive samples, `split_micro`) and of the policy steps
+    (each step's micro-batches, `step_plan`). Each micro-batch's samples fill rows of
+    `pack_tokens` tokens; the rows, like the padded path's samples, are split over the
+    data-parallel devices, so packing saves work when a micro-batch holds several samples per
+    device."""
+    n = tokens.shape[0]
+    whole = np.arange(round_up(n, micro)).reshape(-1, micro)
+    per_step = step_plan(n, steps, micro).reshape(-1, micro)
+    return tuple(
+        pack_groups(tokens, attention_mask, groups, pack_tokens, row_multiple).packed_rows()
+        for groups in (whole, per_step)
+    )
 
 
 def accumulate(micro_loss, params, batch, with_outputs: bool = False):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxloop.rl.state import TrainState
+from jaxloop.rl.train_batch import TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ def rest(offload: OffloadConfig, state: TrainState) -> TrainState:
 
 
 def run_phases(
-    phases: Phases, offload: OffloadConfig, state: TrainState, batch: dict, critic_only: bool
+    phases: Phases, offload: OffloadConfig, state: TrainState, batch: TrainBatch, critic_only: bool
 ):
     """The update as its phases, each with only what it uses on the device. Returns (trained:
     actor params, actor opt, critic params, critic opt; counted: the counters and whether the

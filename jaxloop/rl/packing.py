@@ -19,11 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+from flax import struct
 
 from jaxloop.mathutil import round_up
 
-PACK_KEYS = ("tokens", "targets", "positions", "segment_ids")
+
+@struct.dataclass
+class PackedRows:
+    """Micro-batches packed into rows, as the learner reads them (a pytree): tokens, targets,
+    positions and segment_ids [G * R, P] int32 (micro-batch g owns rows g * R .. (g + 1) * R - 1;
+    split by the learner into [..., R, P]) and index [N, T] int32 per sample (1 + the flat
+    position of the sample's token in its micro-batch's rows, 0 = none; split like every
+    per-sample field)."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    index: jax.Array
 
 
 def input_lengths(attention_mask: np.ndarray) -> np.ndarray:
@@ -80,10 +95,8 @@ class PackedGroups:
     index: np.ndarray
     rows: int
 
-    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        out = {f"{prefix}{k}": getattr(self, k) for k in PACK_KEYS}
-        out[f"{prefix}index"] = self.index
-        return out
+    def packed_rows(self) -> PackedRows:
+        return PackedRows(self.tokens, self.targets, self.positions, self.segment_ids, self.index)
 
 
 def pack_groups(
@@ -105,7 +118,9 @@ def pack_groups(
     needed = max((len(p) for p in plans), default=1)
     rows = row_bucket(max(needed, 1), row_multiple, groups.shape[1])
     shape = (len(groups) * rows, pack_tokens)
-    packed = {k: np.zeros(shape, np.int32) for k in PACK_KEYS}
+    packed = {
+        k: np.zeros(shape, np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
+    }
     index = np.zeros((n, seq - 1), np.int32)
     for g, (group, bins) in enumerate(zip(groups, plans, strict=True)):
         for r, row_slots in enumerate(bins):

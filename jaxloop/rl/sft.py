@@ -16,15 +16,22 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.microbatch import accumulate, apply_if, split_micro
 
-SFT_FIELDS = ("tokens", "attention_mask", "loss_mask")
+
+@struct.dataclass
+class SFTBatch:
+    """SFT rows (a pytree): tokens [B, S] int32, attention_mask [B, S] bool and loss_mask
+    [B, S - 1] float32 (1 at the answer's and EOS's targets)."""
+
+    tokens: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
 
 
 def sft_sequences(tokenizer, examples) -> tuple[list[list[int]], list[list[int]]]:
@@ -34,27 +41,22 @@ def sft_sequences(tokenizer, examples) -> tuple[list[list[int]], list[list[int]]
     return prompts, answers
 
 
-def sft_arrays(
+def sft_batch(
     prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], seq_len: int
-) -> dict[str, np.ndarray]:
-    """Rows of exactly `seq_len` tokens: tokens [B, S] int32, attention_mask [B, S] bool and
-    loss_mask [B, S - 1] float32 (1 at the answer's and EOS's targets). One shape for every
-    batch, so the step compiles once."""
+) -> SFTBatch:
+    """Rows of exactly `seq_len` tokens (host arrays). One shape for every batch, so the step
+    compiles once."""
     n = len(prompts)
     batch = RolloutBatch.from_sequences(
         prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * n, list(range(n))
     ).with_length(seq_len)
-    return {
-        "tokens": batch.tokens,
-        "attention_mask": batch.attention_mask,
-        "loss_mask": batch.response_mask,
-    }
+    return SFTBatch(batch.tokens, batch.attention_mask, batch.response_mask)
 
 
-def sft_token_stats(graphdef, params, x: dict):
+def sft_token_stats(graphdef, params, x: SFTBatch):
     """Per-target negative log-likelihood and whether the argmax is the target ([B, T] each)."""
     model = nnx.merge(graphdef, params)
-    tokens, attn = x["tokens"], x["attention_mask"]
+    tokens, attn = x.tokens, x.attention_mask
     logits = model.forward(tokens[:, :-1], attention_mask=attn[:, :-1]).logits
     logits = logits.astype(jnp.float32)
     targets = tokens[:, 1:]
@@ -64,18 +66,18 @@ def sft_token_stats(graphdef, params, x: dict):
     return nll, correct
 
 
-def sft_loss(graphdef, params, x: dict, num_tokens) -> tuple[jax.Array, dict]:
+def sft_loss(graphdef, params, x: SFTBatch, num_tokens) -> tuple[jax.Array, dict]:
     """sum(nll * loss_mask) / num_tokens (the whole batch's answer tokens: micro-batch losses
     add up to the token mean) and the metric sums."""
     nll, correct = sft_token_stats(graphdef, params, x)
-    mask = x["loss_mask"]
+    mask = x.loss_mask
     loss = jnp.sum(nll * mask) / jnp.maximum(num_tokens, 1.0)
     return loss, {"correct": jnp.sum(correct * mask)}
 
 
 class SFTStepper:
-    """`step(params, opt_state, arrays) -> (params, opt_state, metrics)`: one optimizer step on
-    a batch from `sft_arrays`. Params and optimizer state are donated. On a mesh the step is
+    """`step(params, opt_state, batch) -> (params, opt_state, metrics)`: one optimizer step on
+    a batch from `sft_batch`. Params and optimizer state are donated. On a mesh the step is
     jitted with the state's shardings and the batch split over data x fsdp."""
 
     def __init__(
@@ -105,16 +107,16 @@ class SFTStepper:
     def init(self, params, opt_sharding=None):
         return jax.jit(self.tx.init, out_shardings=opt_sharding)(params)
 
-    def step(self, params, opt_state, arrays: dict) -> tuple:
+    def step(self, params, opt_state, batch: SFTBatch) -> tuple:
         if self.mesh is None:
-            return self._step(params, opt_state, arrays)
+            return self._step(params, opt_state, batch)
         with jax.set_mesh(self.mesh):
-            placed = {k: shd.put_global(v, self.batch_sharding) for k, v in arrays.items()}
+            placed = jax.tree.map(lambda x: shd.put_global(x, self.batch_sharding), batch)
             return self._step(params, opt_state, placed)
 
-    def _step_impl(self, params, opt_state, batch: dict):
-        num_tokens = jnp.sum(batch["loss_mask"])
-        micro = split_micro({k: batch[k] for k in SFT_FIELDS}, self.micro)
+    def _step_impl(self, params, opt_state, batch: SFTBatch):
+        num_tokens = jnp.sum(batch.loss_mask)
+        micro = split_micro(batch, self.micro)
 
         def micro_loss(p, x):
             return sft_loss(self.graphdef, p, x, num_tokens)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxloop.models.looped import project
 from jaxloop.rl.losses import categorical_kl
+from jaxloop.rl.packing import PackedRows
 
 
 class ModelInputs(NamedTuple):
@@ -45,16 +46,16 @@ class ModelInputs(NamedTuple):
         )
 
     @classmethod
-    def packed(cls, rows: dict) -> ModelInputs:
-        """The packed rows `rows_*` of a micro-batch (jaxloop.rl.packing)."""
-        segments = rows["rows_segment_ids"]
+    def packed(cls, rows: PackedRows) -> ModelInputs:
+        """The packed rows of a micro-batch (jaxloop.rl.packing)."""
+        segments = rows.segment_ids
         return cls(
-            rows["rows_tokens"],
-            rows["rows_targets"],
+            rows.tokens,
+            rows.targets,
             segments > 0,
-            rows["rows_positions"],
+            rows.positions,
             segments,
-            unpack_index=rows["rows_index"],
+            unpack_index=rows.index,
         )
 
 
@@ -103,7 +104,13 @@ def _head(model, cdt):
 
 
 def token_stats(
-    graphdef, params, inputs: ModelInputs, temperature, chunk: int = 0, old_params=None
+    graphdef,
+    params,
+    inputs: ModelInputs,
+    temperature,
+    chunk: int = 0,
+    old_params=None,
+    num_loops: int | None = None,
 ) -> tuple:
     """Per target position: the selected token's log-prob under log_softmax(logits / T), the
     entropy of that distribution and, with `old_params`, Flow-DPPO's exact full-vocabulary
@@ -115,9 +122,10 @@ def token_stats(
 
     depths (early-exit rollouts): each input position runs that many loops (depth replay);
     exit_mask: where it is 1 the gate's log p of the position's exit depth is added to the
-    selected log-prob (the exit choice is part of the action, algo.depth_as_action)."""
+    selected log-prob (the exit choice is part of the action, algo.depth_as_action).
+    num_loops: the loop budget K (static; None: all loops), for the old parameters too."""
     x = inputs
-    common = dict(head=False, segment_ids=x.segment_ids, depths=x.depths)
+    common = dict(head=False, segment_ids=x.segment_ids, depths=x.depths, num_loops=num_loops)
     model = nnx.merge(graphdef, params)
     # return_loops with head=False: only the exit distribution
     out = model.forward(
@@ -171,12 +179,17 @@ def actor_token_stats(
     return token_stats(graphdef, params, inputs, temperature, chunk, old_params)
 
 
-def token_values(graphdef, params, inputs: ModelInputs) -> jax.Array:
-    """The critic's value at every position."""
+def token_values(graphdef, params, inputs: ModelInputs, num_loops: int | None = None) -> jax.Array:
+    """The critic's value at every position (after `num_loops` loops; None: all)."""
     x = inputs
     model = nnx.merge(graphdef, params)
     values = model.forward(
-        x.input_ids, x.positions, x.attention_mask, segment_ids=x.segment_ids, depths=x.depths
+        x.input_ids,
+        x.positions,
+        x.attention_mask,
+        segment_ids=x.segment_ids,
+        depths=x.depths,
+        num_loops=num_loops,
     ).values
     return values if x.unpack_index is None else unpack_rows(values, x.unpack_index)
 
@@ -194,9 +207,21 @@ class LoopStats(NamedTuple):
     exit_probs: jax.Array | None
     hidden: jax.Array
 
+    @property
+    def sample_major_logprobs(self) -> jax.Array:
+        """[B, L, T]: the log-probs laid out as the learner's batch fields (sample axis first,
+        `TrainBatch.old_logprobs`); the one place the model's loop-major layout is turned."""
+        return jnp.moveaxis(self.logprobs, 0, 1)
+
 
 def loop_stats(
-    graphdef, params, inputs: ModelInputs, temperature, chunk: int = 0, old_params=None
+    graphdef,
+    params,
+    inputs: ModelInputs,
+    temperature,
+    chunk: int = 0,
+    old_params=None,
+    num_loops: int | None = None,
 ) -> LoopStats:
     """`LoopStats` of model inputs: loop t's logits are the LM head applied to the state after
     the norm that ends loop t (`ModelOutput.loop_hidden`).
@@ -204,12 +229,13 @@ def loop_stats(
     Only one loop's logits exist at a time (plus the last loop's, for the KL to it): per chunk of
     `chunk` positions (chunk <= 0: the whole sequence), each loop's statistics are computed in
     turn under remat, so the backward pass recomputes them loop by loop as well; with chunk > 0
-    no [B, T, V] array exists, for any loop."""
+    no [B, T, V] array exists, for any loop. num_loops: the loop budget K (L = K; None: all)."""
     x = inputs
 
     def loops_of(p):  # the model of `p` and its per-loop LM-head inputs
         m = nnx.merge(graphdef, p)
         kwargs = dict(head=False, return_loops=True, segment_ids=x.segment_ids, depths=x.depths)
+        kwargs["num_loops"] = num_loops
         return m, m.forward(x.input_ids, x.positions, x.attention_mask, **kwargs)
 
     model, out = loops_of(params)

@@ -6,14 +6,11 @@ numpy-free and jax-free at import time: engine processes (vLLM workers) import t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from jaxloop.models.config import LoopedConfig
 
 
@@ -48,11 +45,9 @@ class Policy:
         return self.config.family
 
 
-class RolloutEngine(Protocol):
-    """One engine: the embedded sampler, a vLLM engine, or a group of engine actors."""
-
-    def publish(self, tensors: Iterable[tuple[str, np.ndarray]], version: int) -> PublishStats:
-        """Install HF-named tensors as policy `version` (all-or-nothing)."""
+class Sampler(Protocol):
+    """What a RolloutProducer samples from: an engine, or (inside the Ray manager) a group of
+    engine actors, whose publications arrive staged from the trainer's client."""
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         """One Sample per request, in request order, tagged with the committed version."""
@@ -62,6 +57,14 @@ class RolloutEngine(Protocol):
         """The last committed policy version (None before the first publication)."""
 
     def close(self) -> None: ...
+
+
+class RolloutEngine(Sampler, Protocol):
+    """One engine: the embedded sampler or a vLLM engine. `publish` has the signature of
+    every publisher (RolloutSource too): tests/rollout/test_protocols.py holds them to it."""
+
+    def publish(self, policy: Policy) -> PublishStats:
+        """Serve `policy` from now on (all-or-nothing; PublicationError keeps the old one)."""
 
 
 class RolloutSource(Protocol):
@@ -86,6 +89,11 @@ class RolloutSource(Protocol):
 
     def state(self) -> dict:
         """The data cursor (saved in checkpoints)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters that grow over the run (engine and manager restarts; none for the embedded
+        sampler), as `produce` reports them: read again after the final evaluation, so a restart
+        during it reaches the last row."""
 
     def restore(self, state: dict) -> None: ...
 

@@ -25,7 +25,7 @@ from jaxloop.mathutil import round_up
 from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
-from jaxloop.rollout.api import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, Policy, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 # [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads
@@ -293,21 +293,31 @@ class JaxSamplerEngine:
             self._budget_graphdefs[num_loops] = nnx.split(clone)[0]
         return self._budget_graphdefs[num_loops]
 
-    def publish(self, policy, version: int) -> PublishStats:
-        """Install a policy: an nnx.State of the trainer's model (zero-copy hand-off) or an
-        iterable of HF-named tensors (checked for completeness and shapes, like remote engines)."""
+    def publish(self, policy: Policy) -> PublishStats:
+        """Serve `policy` from now on: its params (an nnx.State of the trainer's model) are
+        installed as they are (zero-copy hand-off)."""
         start = time.perf_counter()
-        if isinstance(policy, nnx.State):
-            state = policy
-            count = len(jax.tree.leaves(state))
-        else:
-            state, count = self._state_from_hf(policy)
+        state = policy.params
+        count = len(jax.tree.leaves(state))
+        return self._install(state, policy.version, count, start, sent=False)
+
+    def publish_tensors(
+        self, tensors: Iterable[tuple[str, np.ndarray]], version: int
+    ) -> PublishStats:
+        """Serve HF-named tensors as policy `version` (what an engine actor receives), checked
+        for completeness and shapes like every remote engine's publication."""
+        start = time.perf_counter()
+        state, count = self._state_from_hf(tensors)
+        return self._install(state, version, count, start, sent=True)
+
+    def _install(self, state, version: int, count: int, start: float, sent: bool) -> PublishStats:
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         self._state, self._version = state, version
-        sent = 0 if isinstance(policy, nnx.State) else nbytes  # the trainer's arrays: no copy
         seconds = time.perf_counter() - start
-        self.last_publish = PublishStats(version, count, nbytes, seconds, sent_bytes=sent)
-        return self.last_publish
+        # the trainer's arrays are installed as they are: nothing sent
+        stats = PublishStats(version, count, nbytes, seconds, sent_bytes=nbytes if sent else 0)
+        self.last_publish = stats
+        return stats
 
     def _state_from_hf(self, tensors: Iterable[tuple[str, np.ndarray]]):
         _, state = nnx.split(self.model)

@@ -15,7 +15,7 @@ from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.data.rewards import get_reward
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
 from jaxloop.models.loop_budget import loop_budget_at
-from jaxloop.rollout.api import Policy
+from jaxloop.rollout.api import Policy, Sampler
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 
@@ -65,13 +65,13 @@ def tokens_checksum(samples: list[Sample]) -> int:
 
 class RolloutProducer:
     """The RolloutSource of the embedded engine (and, inside the Ray manager, over an engine
-    group)."""
+    group: there publications reach the group staged, never through `publish`)."""
 
     # capabilities (RolloutSource), as the trainer's embedded source
     shares_devices = True
     loop_logprobs = True
 
-    def __init__(self, settings: ProducerSettings, engine):
+    def __init__(self, settings: ProducerSettings, engine: Sampler):
         self.settings = settings
         self.engine = engine
         self.tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
@@ -101,7 +101,7 @@ class RolloutProducer:
 
     # ---- engine pass-through ----
     def publish(self, policy: Policy) -> PublishStats:
-        return self.engine.publish(policy.params, policy.version)
+        return self.engine.publish(policy)
 
     @property
     def version(self) -> int | None:
@@ -109,6 +109,9 @@ class RolloutProducer:
 
     def close(self) -> None:
         self.engine.close()
+
+    def stats(self) -> dict[str, float]:
+        return {}  # the embedded sampler cannot die apart from the trainer: nothing to count
 
     # ---- data cursor ----
     def state(self) -> dict:

@@ -7,15 +7,22 @@ import dataclasses
 
 from jaxloop.settings import FREE, NON_NEGATIVE, Domain, count, knob, one_of, positive
 
+# the embedded sampler, and the engines that run as Ray actors (the "vllm:" keys apply to both)
+ENGINES = ("jax", "ray_jax", "vllm")
+RAY_ENGINES = ("ray_jax", "vllm")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-    """sampling engines (jax: embedded sampler; vllm: vLLM engine actors on Ray)"""
+    """sampling engines (jax: embedded sampler; ray_jax / vllm: engine actors on Ray)"""
 
     engine: str = knob(
         "jax",
-        "jax (embedded KV-cache sampler) | vllm (vLLM engine actors on Ray)",
-        one_of("jax", "vllm"),
+        (
+            "jax (embedded KV-cache sampler, on the trainer's devices) | ray_jax (the same "
+            "sampler in Ray engine actors) | vllm (vLLM engine actors on Ray)"
+        ),
+        one_of(*ENGINES),
         resume=FREE,
     )
     temperature: float = knob(
@@ -109,6 +116,18 @@ class RolloutSection:
         positive(),
         resume=FREE,
     )
+    # a lost engine node whose bundle no other node can take would otherwise leave the restart
+    # waiting for a node forever (Ray keeps the bundle pending)
+    engine_placement_timeout_s: float = knob(
+        300.0,
+        (
+            "vllm: seconds to wait for a node with room for an engine's bundle (at start, and "
+            "after the engine's node is lost); past it the run stops with one line (exit 3) and "
+            "resumes from its last checkpoint once a node is back"
+        ),
+        positive(),
+        resume=FREE,
+    )
     engine_log_level: str = knob(
         "WARNING",
         "vllm: log level in the engine actors: DEBUG | INFO | WARNING | ERROR",
@@ -125,4 +144,16 @@ class RolloutSection:
             "update u comes from the policy of update u-k; 0: synchronous)"
         ),
         count(0),
+    )
+
+    # Ray places each engine's bundle on a node that has these resources (a cluster marks its
+    # engine nodes with a custom resource: `ray start --resources='{"engine_slot": 1}'`)
+    engine_resources: str = knob(
+        "",
+        (
+            "vllm: NAME=AMOUNT[,NAME=AMOUNT] custom Ray resources each engine actor requests, "
+            "e.g. engine_slot=1 (the engines go to nodes that have them; needs "
+            "rollout.ray_address); empty: any node with a free CPU / GPU"
+        ),
+        resume=FREE,
     )

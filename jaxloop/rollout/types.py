@@ -85,7 +85,9 @@ class Sample:
 class PublishStats:
     """num_bytes: the whole version's tensor bytes; sent_bytes: what was shipped to the engines
     (None: num_bytes; a delta publication ships fewer, a zero-copy one none); fell_back: a delta
-    was refused and the version was then published in full (sent_bytes counts both)."""
+    was refused and the version was then published in full (sent_bytes counts both);
+    breakdown: where the seconds went, by stage (the Ray client's: staging, manifest, send,
+    commit), not compared."""
 
     version: int
     num_tensors: int
@@ -93,6 +95,7 @@ class PublishStats:
     seconds: float
     sent_bytes: int | None = None
     fell_back: bool = False
+    breakdown: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if self.sent_bytes is None:

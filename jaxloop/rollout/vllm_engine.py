@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxloop import families
-from jaxloop.rollout.api import NotPublishedError, PublicationError
-from jaxloop.rollout.publication import Manifest, iter_chunks
+from jaxloop.rollout.api import NotPublishedError, Policy, PublicationError
+from jaxloop.rollout.publication.transaction import Manifest, iter_chunks
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 WORKER_EXTENSION = "jaxloop.rollout.vllm_models.worker.JaxloopWorkerExtension"
@@ -104,14 +104,25 @@ class VLLMEngine:
         self._depth_mode: tuple[str, float, int] = ("none", 1.0, 0)
         self._broken: str | None = None
         self.last_publish: PublishStats | None = None
-        self.publish_history: list[PublishStats] = []
 
     # ---- RolloutEngine -----------------------------------------------------------------------
     @property
     def version(self) -> int | None:
         return self._version
 
-    def publish(self, tensors: Iterable[tuple[str, np.ndarray]], version: int) -> PublishStats:
+    def publish(self, policy: Policy) -> PublishStats:
+        """Serve `policy` from now on (all-or-nothing): its HF-named tensors in the dtypes this
+        engine loads, as one transaction."""
+        from jaxloop.rollout.publication.policy import (
+            hf_tensors,  # jax: only where a Policy is published
+        )
+
+        dtypes = {name: dtype for name, (_, dtype) in self.expected.items()}
+        return self.publish_tensors(hf_tensors(policy, dtypes), policy.version)
+
+    def publish_tensors(
+        self, tensors: Iterable[tuple[str, np.ndarray]], version: int
+    ) -> PublishStats:
         """Install HF-named tensors as policy `version` (all-or-nothing)."""
         start = time.perf_counter()
         items = [(name, np.asarray(value)) for name, value in tensors]
@@ -217,8 +228,9 @@ class VLLMEngine:
         digest: str | None = None,
         start: float | None = None,
     ) -> PublishStats:
-        """Run one publication transaction from prepared parts (count / digest default to the
-        manifest's; tests pass others to check refusals)."""
+        """Run one publication transaction from prepared parts: begin with `manifest`, the
+        buckets, then finish with `count` and `digest` (the finish message; the manifest's
+        unless given, e.g. by an engine actor relaying a Publication)."""
         start = time.perf_counter() if start is None else start
         if self._broken:
             raise EngineBrokenError(self._broken)
@@ -256,7 +268,6 @@ class VLLMEngine:
             seconds=time.perf_counter() - start,
         )
         self.last_publish = stats
-        self.publish_history.append(stats)
         return stats
 
     def prompt_logprobs(self, token_ids) -> np.ndarray:

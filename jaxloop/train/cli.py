@@ -176,6 +176,7 @@ def _report(cfg, trainer, started: float) -> None:
             getattr(trainer, "start_update", 0),
             time.perf_counter() - started,
             cfg.total_updates,
+            curves=cfg.curves,
         ),
         file=sys.stderr,
     )
@@ -196,7 +197,8 @@ def run_cleaning_up(body) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m jaxloop.train`. One exception boundary (jaxloop/errors.py): a user error is one
     line on stderr and exit code 2, and what a fresh start had created is removed again; a run
-    stopped by a log-prob mismatch or non-finite updates exits with code 3; anything else is a
+    stopped by a log-prob mismatch, non-finite updates or rollout engines that cannot be restarted
+    exits with code 3; anything else is a
     bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
@@ -229,7 +231,7 @@ def _main(argv: list[str], cleanup: list) -> int:
         trainer = Trainer(cfg)
         code = trainer.run()
     except STOPPED_RUN_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(errors.error_line(err), file=sys.stderr)  # raised in a Ray actor: its cause's line
         _report(cfg, trainer, started)
         return 3
     _report(cfg, trainer, started)

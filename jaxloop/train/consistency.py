@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxloop.rollout.api import EngineFailedError, ManagerFailedError
+
 
 class LogprobMismatchError(RuntimeError):
     """Engine and trainer disagree on the sampled tokens' log-probs beyond the configured bound."""
@@ -15,16 +17,22 @@ class NonFiniteUpdateError(RuntimeError):
     would have left non-finite parameters or optimizer state (the learner's guard)."""
 
 
-# a run stopped by one of these exits with code 3 (a result, not a bad input or a bug)
-STOPPED_RUN_ERRORS = (LogprobMismatchError, NonFiniteUpdateError)
+# a run stopped by one of these exits with code 3 (a result, not a bad input or a bug; the last
+# checkpoint resumes): rollout engines that cannot be restarted (e.g. no node has room) too
+STOPPED_RUN_ERRORS = (
+    LogprobMismatchError,
+    NonFiniteUpdateError,
+    EngineFailedError,
+    ManagerFailedError,
+)
 
 
 def check_engine_logprobs(
     update: int, arrays, old_lp, bound: float, loop_old_lp=None
 ) -> dict[str, float]:
     """Engine vs trainer selected log-probs of the sampled (last) loop, `old_lp` [N, T]; with
-    `loop_old_lp` [L, N, T] (per-loop credit) and the engine's per-loop log-probs
-    (`arrays.loop_behav_logprobs`, the embedded sampler's), also of every loop t:
+    `loop_old_lp` [N, L, T] (per-loop credit, `TrainBatch.old_logprobs`) and the engine's
+    per-loop log-probs (`arrays.loop_behav_logprobs`, [N, L, T] too), also of every loop t:
     loop<t>_logprob_diff_max. Each is held to `bound` (LogprobMismatchError)."""
     mask = arrays.response_mask
     diff = np.abs(old_lp - arrays.behav_logprobs) * mask
@@ -34,9 +42,11 @@ def check_engine_logprobs(
     }
     checked = [("", stats["logprob_diff_max"])]
     if loop_old_lp is not None and arrays.loop_behav_logprobs is not None:
-        engine_lp = np.moveaxis(arrays.loop_behav_logprobs, 1, 0)  # [L, N, T] as the trainer's
-        for t, (trainer, engine) in enumerate(zip(loop_old_lp, engine_lp, strict=True)):
-            worst = float((np.abs(trainer - engine) * mask).max())
+        engine_lp = arrays.loop_behav_logprobs  # [N, L, T], as the trainer's
+        if engine_lp.shape != loop_old_lp.shape:
+            raise ValueError(f"per-loop log-probs {engine_lp.shape} vs {loop_old_lp.shape}")
+        for t in range(loop_old_lp.shape[1]):
+            worst = float((np.abs(loop_old_lp[:, t] - engine_lp[:, t]) * mask).max())
             stats[f"loop{t + 1}_logprob_diff_max"] = worst
             checked.append((f" of loop {t + 1}", worst))
     for where, worst in checked:

@@ -226,22 +226,27 @@ class Trainer:
         self.hooks.run("start", step)
         step.samples = self.take_rollout(update, step.metrics)
         loops = self.loop_budget(update, step.samples, step.metrics)
-        learner = self.setup.learner_for(loops)
+        learner = self.learner
         step.batch = self.make_batch(step.samples, loops)
-        device_batch = learner.place_batch(step.batch.arrays())
+        device_batch = learner.place_batch(step.batch.train_batch())
         critic_only = update < self.cfg.critic.warmup_updates  # critic warm-up: the actor waits
         step.metrics["critic_warmup"] = float(critic_only)
         if self.fuses_old_logprobs(learner, critic_only):  # the update's own forward gives them
             step.metrics["time_old_logprobs"] = 0.0
             t_update = time.perf_counter()
-            self.state, update_metrics, old_lp = learner.update_fused(self.state, device_batch)
+            self.state, update_metrics, old_lp = learner.update_fused(
+                self.state, device_batch, num_loops=loops
+            )
             step.old_lp = old_lp
             self.hooks.run("logprobs", step)  # after the step, before any of it is saved
         else:
-            old_lp = self.old_logprobs(learner, step, device_batch)
+            old_lp = self.old_logprobs(learner, step, device_batch, loops)
             t_update = time.perf_counter()
             self.state, update_metrics = learner.update(
-                self.state, {**device_batch, "old_logprobs": old_lp}, critic_only=critic_only
+                self.state,
+                device_batch.replace(old_logprobs=old_lp),
+                critic_only=critic_only,
+                num_loops=loops,
             )
         self.after_update(step, learner, update_metrics, t_update)
         self.pipeline.join()  # the next batch, generated with this update's policy
@@ -295,17 +300,19 @@ class Trainer:
             and self.state.ref_params is None
         )
 
-    def old_logprobs(self, learner, step: Step, device_batch):
+    def old_logprobs(self, learner, step: Step, device_batch, loops: int):
         """The separate old-log-prob forward (several optimizer steps per rollout, per-loop
-        credit, a reference, draft features, critic warm-up); its time goes to metrics."""
+        credit, a reference, draft features, critic warm-up) at the loop budget `loops`; its
+        time goes to metrics."""
         t1 = time.perf_counter()
-        if not self.cfg.draft_features.enabled:
-            old_lp = learner.old_logprobs(self.state, device_batch)
-        else:  # the same forward also yields the draft-model features
-            old_lp, step.hidden = learner.old_logprobs(self.state, device_batch, with_hidden=True)
+        with_hidden = self.cfg.draft_features.enabled  # the forward also gives draft features
+        out = learner.old_logprobs(self.state, device_batch, with_hidden, num_loops=loops)
+        old_lp = out
+        if with_hidden:
+            old_lp, step.hidden = out
             self.hooks.run("forward", step)
-        # per-loop credit: [L, N, T]; the engine sampled from the last loop
-        step.old_lp = shd.to_host(old_lp[-1] if learner.per_loop else old_lp)
+        # per-loop credit: [N, L, T]; the engine sampled from the last loop
+        step.old_lp = shd.to_host(old_lp[:, -1] if learner.per_loop else old_lp)
         step.metrics["time_old_logprobs"] = time.perf_counter() - t1
         if learner.per_loop and self.producer.loop_logprobs:  # every loop is checked
             step.loop_old_lp = old_lp
@@ -367,6 +374,8 @@ class Trainer:
 
     def _final_evaluate(self, step: Step) -> None:
         step.metrics["final_eval_reward"] = self.producer.evaluate()
+        # an engine restarted during the final evaluation is counted in the last row too
+        step.metrics.update(self.producer.stats())
 
     def _write_features(self, step: Step) -> None:
         # every process runs the same programs (SPMD); only process 0 writes the features

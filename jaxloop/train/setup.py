@@ -131,9 +131,15 @@ class TrainSetup:
             self.critic_tx,
             with_reference=uses_reference(cfg),
         )
-        lcfg = learner_config(cfg, steps)
-        self._learner_args = (algo, hparams, lcfg, self.actor_tx, self.critic_tx)
-        self._learner_kwargs = dict(
+        # one learner for every loop budget: K is a static argument of its entries
+        self.learner = Learner(
+            actor_graphdef,
+            critic_graphdef,
+            algo,
+            hparams,
+            learner_config(cfg, steps),
+            self.actor_tx,
+            self.critic_tx,
             mesh=mesh,
             state_shardings=self.shardings,
             offload=OffloadConfig(
@@ -142,26 +148,6 @@ class TrainSetup:
                 reference=cfg.offload.reference,
             ),
         )
-        self.learner = Learner(
-            actor_graphdef, critic_graphdef, *self._learner_args, **self._learner_kwargs
-        )
-        self._budget_learners = {model_cfg.num_loops: self.learner}
-
-    def learner_for(self, loops: int | None) -> Learner:
-        """The learner whose actor, reference and critic run `loops` loops (a loop budget; None:
-        all): the same parameters under graphdefs of config.num_loops = K, so a K-loop update
-        costs K loops; built (and compiled) once per distinct K."""
-        loops = self.model_cfg.num_loops if loops is None else loops
-        if loops not in self._budget_learners:
-            budget_cfg = self.model_cfg.replace(num_loops=loops)
-            actor = nnx.split(abstract_model(budget_cfg, "actor"))[0]
-            critic = None
-            if self.critic_abstract is not None:
-                critic = nnx.split(abstract_model(budget_cfg, "critic"))[0]
-            self._budget_learners[loops] = Learner(
-                actor, critic, *self._learner_args, **self._learner_kwargs
-            )
-        return self._budget_learners[loops]
 
     def fresh_state(self, actor: dict | None = None) -> TrainState:
         """A new TrainState around `actor` (default: the configured initial weights); the
@@ -258,21 +244,37 @@ def engine_log_level(cfg) -> str:
 
 
 def build_producer(cfg, actor: LoopedLM, settings: ProducerSettings, mesh=None) -> RolloutSource:
-    """In-process producer around the embedded engine, or the Ray manager for vLLM engines."""
+    """In-process producer around the embedded engine, or the Ray client in front of engine
+    actors (vLLM, or the JAX sampler: rollout.engine=ray_jax)."""
     if cfg.rollout.engine == "jax":
         from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 
         return RolloutProducer(settings, JaxSamplerEngine(actor, mesh=mesh))
     from jaxloop.rollout.ray.client import RayRolloutClient
 
-    return RayRolloutClient(
-        run_config(cfg).rollout, actor, settings, log_level=engine_log_level(cfg)
-    )
+    def start() -> RayRolloutClient:
+        return RayRolloutClient(
+            run_config(cfg).rollout, actor.config, settings, log_level=engine_log_level(cfg)
+        )
+
+    if jax.process_count() == 1:
+        return start()
+    # several trainer processes: process 0 alone starts and talks to the engines (replicated.py)
+    from jaxloop.parallel.distributed import LeaderChannel
+    from jaxloop.rollout.replicated import ReplicatedSource, publication_layout
+
+    channel, client = LeaderChannel(), None
+
+    def start_on_process_0() -> dict:
+        nonlocal client
+        client = start()
+        return publication_layout(client)
+
+    layout = channel.share("rollout/start", start_on_process_0)  # its error stops every process
+    return ReplicatedSource(client, channel, layout, RayRolloutClient)
 
 
 def engine_model(cfg, setup: TrainSetup, state: TrainState) -> LoopedLM:
-    """The model a source is built around: the embedded sampler takes the abstract actor (its
-    weights arrive by publication, zero-copy); Ray engines boot from the actor's weights."""
-    if cfg.rollout.engine == "jax":
-        return setup.actor_abstract
-    return setup.actor_model(state)
+    """The model a source is built around: the abstract actor. The weights reach every engine
+    by publication only (zero-copy for the embedded sampler; Ray engines boot from its config)."""
+    return setup.actor_abstract

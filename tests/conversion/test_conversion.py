@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -369,8 +370,13 @@ def test_export_hf_equals_save_hf_of_the_restored_model(tmp_path, monkeypatch, r
     restore_host = orbax_io._restore_host
 
     def spy(*args):
-        gc.collect()  # orbax's own garbage cycles hold restored arrays too (export_hf collects
-        # them itself after a large parameter); what must not hold one is export_hf's writer
+        # orbax's own garbage cycles hold restored arrays too (export_hf collects them itself
+        # after a large parameter), and its threads may still drop theirs (seen in CI under
+        # load); what must not hold one is export_hf's writer, which waits here meanwhile
+        deadline = time.monotonic() + 10
+        while [r for r in alive if r() is not None] and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
         assert not [r for r in alive if r() is not None], "a parameter outlived its export"
         array = restore_host(*args)
         assert isinstance(array, np.ndarray)

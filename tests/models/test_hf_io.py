@@ -145,6 +145,22 @@ def test_head_dim_written_explicitly(tmp_path):
     assert {k: v for k, v in out_cfg.items() if k != "head_dim"} == hf  # nothing else changed
 
 
+@pytest.mark.parametrize("family", ["nanbeige", "ouro"])
+def test_numerics_rebuild_the_config_from_its_hf_dict(family):
+    """What a remote JAX engine builds from (to_hf_dict + numerics) is the trainer's config,
+    every non-default numerics field included (a dropped scan_layers ran another program)."""
+    cfg = LoopedConfig.from_hf_dict(tiny_hf_config(family)).replace(
+        param_dtype="bfloat16",
+        compute_dtype="float16",
+        remat="dots",
+        attention_impl="cudnn",
+        scan_layers=False,
+    )
+    rebuilt = LoopedConfig.from_hf_dict(cfg.to_hf_dict()).replace(**cfg.numerics())
+    assert rebuilt == cfg
+    assert LoopedConfig.from_hf_dict(cfg.to_hf_dict()) != cfg  # the dict alone drops them
+
+
 def test_fixture_config_keys_survive(tmp_path):
     """The released configs' keys (auto_map, kv_channels, ...) are all written back unchanged."""
     if not SHARED.is_dir():

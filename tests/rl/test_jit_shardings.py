@@ -18,6 +18,7 @@ from jaxloop.rl.state import COUNTERS, abstract_params, abstract_train_state, st
 from tests.rl.test_learner import _arrays
 
 CFG = LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", num_hidden_layers=1))
+LOOPS = 1  # a loop budget below the model's 2 loops: a static argument of every entry
 
 # entry -> the argument positions it donates (the state, or the part of it the entry replaces)
 DONATED = {
@@ -31,8 +32,16 @@ DONATED = {
 }
 
 
-# entries whose last argument is static (with_hidden / critic_only)
-STATIC_LAST = ("_old_logprobs", "_update", "_update_fused")
+# entry -> how many trailing arguments are static (with_hidden / critic_only, the loop budget)
+STATIC_TAIL = {
+    "_old_logprobs": 2,
+    "_update": 2,
+    "_update_fused": 2,
+    "_prepare": 1,
+    "_actor_phase": 1,
+    "_critic_phase": 1,
+    "_counters": 0,
+}
 
 
 def _learner(mesh, with_reference: bool):
@@ -68,7 +77,7 @@ def _learner(mesh, with_reference: bool):
         mesh=mesh,
         state_shardings=shardings,
     )
-    return learner, abstract, learner.place_batch(_arrays().arrays())
+    return learner, abstract, learner.place_batch(_arrays().train_batch())
 
 
 def _entry_args(learner, state, batch) -> dict:
@@ -76,26 +85,29 @@ def _entry_args(learner, state, batch) -> dict:
     shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     batch = shapes(batch)
     old = jax.eval_shape(
-        lambda p, b: learner._old_logprobs_impl(p, b, False), state.actor_params, batch
+        lambda p, b: learner._old_logprobs_impl(p, b, False, LOOPS), state.actor_params, batch
     )
-    with_old = {**batch, "old_logprobs": old}
+    with_old = batch.replace(old_logprobs=old)
     prepared = jax.eval_shape(
-        learner._prepare_impl, state.ref_params, state.critic_params, with_old
+        lambda r, c, b: learner._prepare_impl(r, c, b, LOOPS),
+        state.ref_params,
+        state.critic_params,
+        with_old,
     )[0]
     flag = jax.ShapeDtypeStruct((), bool)
     return {
-        "_old_logprobs": (state.actor_params, batch, False),
-        "_update": (state, with_old, False),
-        "_update_fused": (state, batch, False),
-        "_prepare": (state.ref_params, state.critic_params, with_old),
-        "_actor_phase": (state.actor_params, state.actor_opt, with_old, prepared),
-        "_critic_phase": (state.critic_params, state.critic_opt, with_old, prepared),
+        "_old_logprobs": (state.actor_params, batch, False, LOOPS),
+        "_update": (state, with_old, False, LOOPS),
+        "_update_fused": (state, batch, False, LOOPS),
+        "_prepare": (state.ref_params, state.critic_params, with_old, LOOPS),
+        "_actor_phase": (state.actor_params, state.actor_opt, with_old, prepared, LOOPS),
+        "_critic_phase": (state.critic_params, state.critic_opt, with_old, prepared, LOOPS),
         "_counters": ({n: getattr(state, n) for n in COUNTERS}, flag, flag, flag),
     }
 
 
 def _with_static(fn, static, *args):
-    return fn(*args, static)
+    return fn(*args, *static)
 
 
 @pytest.mark.parametrize("with_reference", [False, True])
@@ -110,9 +122,9 @@ def test_every_jitted_entry_has_explicit_shardings_and_donates_its_state(mesh_si
         if name == "_update_fused" and with_reference:
             continue  # the fused update refuses a reference (its KL reads the old log-probs)
         fn = getattr(learner, name)
-        static = args[-1] if name in STATIC_LAST else None
-        traced_args = args[:-1] if name in STATIC_LAST else args
-        call = functools.partial(_with_static, fn, static) if name in STATIC_LAST else fn
+        split = len(args) - STATIC_TAIL[name]
+        traced_args, static = args[:split], args[split:]
+        call = functools.partial(_with_static, fn, static)
         with jax.set_mesh(learner.mesh):
             (eqn,) = jax.make_jaxpr(call)(*traced_args).eqns  # the one jit call
             lowered = fn.lower(*args)

@@ -102,11 +102,11 @@ class _Run:
         self.state = self.learner.rest(self.state)
 
     def old_logprobs(self, arrays):
-        return self.learner.old_logprobs(self.state, self.learner.place_batch(arrays.arrays()))
+        return self.learner.old_logprobs(self.state, self.learner.place_batch(arrays.train_batch()))
 
     def update(self, arrays):
-        batch = self.learner.place_batch(arrays.arrays())
-        batch["old_logprobs"] = self.learner.old_logprobs(self.state, batch)
+        batch = self.learner.place_batch(arrays.train_batch())
+        batch = batch.replace(old_logprobs=self.learner.old_logprobs(self.state, batch))
         self.state, metrics = self.learner.update(self.state, batch)
         return {k: float(v) for k, v in metrics.items()}
 
@@ -280,7 +280,7 @@ def test_fused_old_logprobs_equal_the_separate_forward(name, pack, offload):
         expected_lp = np.asarray(separate.old_logprobs(arrays))
         m_separate = separate.update(arrays)
         fused.state, metrics, old_lp = fused.learner.update_fused(
-            fused.state, fused.learner.place_batch(arrays.arrays())
+            fused.state, fused.learner.place_batch(arrays.train_batch())
         )
         np.testing.assert_allclose(np.asarray(old_lp), expected_lp, atol=3e-6)
         m_fused = {k: float(v) for k, v in metrics.items()}
@@ -303,12 +303,12 @@ def test_fused_old_logprobs_equal_the_separate_forward(name, pack, offload):
 def test_fused_update_refuses_what_it_cannot_fuse():
     two_steps = _Run("grpo", 4, updates=2)
     assert not two_steps.learner.fuses_old_logprobs
-    batch = two_steps.learner.place_batch(_arrays().arrays())
+    batch = two_steps.learner.place_batch(_arrays().train_batch())
     with pytest.raises(ValueError, match="one optimizer step per rollout"):
         two_steps.learner.update_fused(two_steps.state, batch)
     with pytest.raises(ValueError, match="no 'old_logprobs'"):
         two_steps.learner.update(two_steps.state, batch)
     with_reference = _Run("grpo", 4, kl_coef=0.1, updates=1)
-    batch = with_reference.learner.place_batch(_arrays().arrays())
+    batch = with_reference.learner.place_batch(_arrays().train_batch())
     with pytest.raises(ValueError, match="reference"):
         with_reference.learner.update_fused(with_reference.state, batch)

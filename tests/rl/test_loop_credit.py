@@ -34,14 +34,15 @@ def _copy(tree):
 
 def _run_update(run: _Run, arrays, perturb=0.05):
     """One update with per-loop old log-probs moved off the current policy (so every loop's
-    ratio differs from 1). Returns (batch with the [L, N, T] old log-probs, the state's actor,
+    ratio differs from 1). Returns (batch with the [N, L, T] old log-probs, the state's actor,
     reference and critic parameters before it, metrics)."""
-    batch = run.learner.place_batch(arrays.arrays())
+    batch = run.learner.place_batch(arrays.train_batch())
     old = run.learner.old_logprobs(run.state, batch)
     if run.learner.per_loop:
-        noise = np.random.default_rng(1).normal(size=old.shape).astype(np.float32)
-        old = old + perturb * noise * arrays.response_mask
-    batch = {**batch, "old_logprobs": old}
+        n, loops, t = old.shape  # the noise drawn loop-major, as it always was
+        noise = np.random.default_rng(1).normal(size=(loops, n, t)).astype(np.float32)
+        old = old + perturb * np.moveaxis(noise, 0, 1) * arrays.response_mask[:, None]
+    batch = batch.replace(old_logprobs=old)
     s = run.state
     before = _copy((s.actor_params, s.ref_params, s.critic_params))
     run.state, metrics = run.learner.update(run.state, batch)
@@ -50,10 +51,10 @@ def _run_update(run: _Run, arrays, perturb=0.05):
 
 def _program(run: _Run, arrays) -> str:
     """The jaxpr of the learner's fused update on `arrays` (traced, not compiled)."""
-    batch = run.learner.place_batch(arrays.arrays())
-    loops = (CFG.num_loops,) if run.learner.per_loop else ()
-    batch["old_logprobs"] = jnp.zeros(loops + batch["response_mask"].shape)
-    batch = run.learner._with_loop_logprobs(batch)
+    batch = run.learner.place_batch(arrays.train_batch())
+    n, t = batch.response_mask.shape
+    shape = (n, CFG.num_loops, t) if run.learner.per_loop else (n, t)
+    batch = batch.replace(old_logprobs=jnp.zeros(shape))
     return str(jax.make_jaxpr(run.learner._update_impl)(run.state, batch))
 
 
@@ -71,7 +72,7 @@ def test_last_is_todays_update_bitwise():
 
 def _hand_loss(run: _Run, params, ref_params, batch, advantages, weights):
     """sum_t w_t reduce(loss_t) from separate per-loop logits of forward(return_loops=True)."""
-    tokens, attn, mask = batch["tokens"], batch["attention_mask"], batch["response_mask"]
+    tokens, attn, mask = batch.tokens, batch.attention_mask, batch.response_mask
     graphdef = run.learner.actor_graphdef
 
     def per_loop_logprobs(p):
@@ -88,15 +89,15 @@ def _hand_loss(run: _Run, params, ref_params, batch, advantages, weights):
     for t, w in enumerate(weights):
         inputs = LossInputs(
             logprobs=lp[t],
-            old_logprobs=batch["old_logprobs"][t],
-            behav_logprobs=batch["behav_logprobs"],
+            old_logprobs=batch.old_logprobs[:, t],
+            behav_logprobs=batch.behav_logprobs,
             advantages=advantages,
             mask=mask,
             ref_logprobs=None if ref is None else ref[t],
         )
         per_token = loss_fn(inputs, hp)[0]
         total = total + w * reduce_loss(
-            per_token, mask, hp.reduction, jnp.sum(batch["sample_mask"]), jnp.sum(mask)
+            per_token, mask, hp.reduction, jnp.sum(batch.sample_mask), jnp.sum(mask)
         )
     return total
 
@@ -109,12 +110,12 @@ def test_loss_is_the_weighted_sum_of_per_loop_losses(name, credit, kl, weights):
     assert CFG.num_loops == len(weights)
     arrays = _arrays()
     run = _Run(name, 8, kl, loop_credit=credit)
-    behav = np.asarray(run.old_logprobs(arrays))[-1]
+    behav = np.asarray(run.old_logprobs(arrays))[:, -1]
     arrays.behav_logprobs = behav - 0.01 * arrays.response_mask
     batch, (params, ref, critic), metrics = _run_update(run, arrays)
     # the advantages do not depend on the loop credit: the learner's own estimator
-    prepared, _ = run.learner._prepare(ref, critic, run.learner._with_loop_logprobs(batch))
-    adv = prepared["advantages"]
+    prepared, _ = run.learner._prepare(ref, critic, batch)
+    adv = prepared.advantages
 
     @jax.jit
     @jax.value_and_grad
@@ -138,9 +139,9 @@ def test_exit_pdf_weights_are_the_exit_distribution_and_train_no_gate():
     run = _Run("grpo", 8, loop_credit="exit_pdf", model_cfg=OURO)
     batch, (params, _, _), metrics = _run_update(run, arrays)
     out = nnx.merge(run.learner.actor_graphdef, params).forward(
-        batch["tokens"][:, :-1], attention_mask=batch["attention_mask"][:, :-1], return_loops=True
+        batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1], return_loops=True
     )
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     exit_means = jnp.sum(out.exit_probs * mask, axis=(1, 2)) / jnp.sum(mask)
     assert OURO.num_loops == 3 and float(jnp.abs(exit_means.sum() - 1.0)) <= 1e-6
     for t in range(3):
@@ -192,8 +193,9 @@ def test_packed_per_loop_update_equals_padded():
 
 def test_trainer_uniform_run_on_the_mesh(tmp_path):
     """One update of the CLI on the 8-device mesh: the per-loop recompute is [L, N, T] and the
-    engine-vs-trainer check reads its last loop (the same numbers as loop_credit=last, whose
-    rollout is the same), and the per-loop metrics are written."""
+    engine-vs-trainer check reads its last loop (the numbers of loop_credit=last, whose rollout
+    is the same, up to ~1 ulp: last takes its old log-probs from the fused update's forward,
+    another XLA program), and the per-loop metrics are written."""
     args = ["--config", "grpo.py", *TINY, "--config.total_updates=1", "--config.eval_every=100"]
     for credit in ("last", "uniform"):
         run_dir = tmp_path / credit
@@ -201,7 +203,9 @@ def test_trainer_uniform_run_on_the_mesh(tmp_path):
             main([*args, f"--config.run_dir={run_dir}", f"--config.algo.loop_credit={credit}"]) == 0
         )
     last, uniform = (read_rows(tmp_path / credit)[0] for credit in ("last", "uniform"))
-    assert uniform["logprob_diff_max"] == last["logprob_diff_max"] <= 1e-5
+    assert max(uniform["logprob_diff_max"], last["logprob_diff_max"]) <= 1e-5
+    # fp32 log-probs near -4 are 4.8e-7 apart: the two programs may differ by one ulp
+    assert abs(uniform["logprob_diff_max"] - last["logprob_diff_max"]) <= 1e-6
     assert abs(uniform["entropy"] - last["entropy"]) <= 1e-6  # the last loop's, same parameters
     assert uniform["loop2_entropy"] == uniform["entropy"] and uniform["loop1_weight"] == 0.5
     assert not any(key.startswith("loop1") for key in last)

@@ -37,8 +37,10 @@ def test_plan_is_a_lossless_deterministic_relayout():
     groups = np.arange(8).reshape(2, 4)
     plan = pack_groups(batch.tokens, batch.attention_mask, groups, PACK, row_multiple=2)
     again = pack_groups(batch.tokens, batch.attention_mask, groups, PACK, row_multiple=2)
-    for key, value in plan.arrays("").items():
-        np.testing.assert_array_equal(value, again.arrays("")[key])
+    for value, other in zip(
+        jax.tree.leaves(plan.packed_rows()), jax.tree.leaves(again.packed_rows()), strict=True
+    ):
+        np.testing.assert_array_equal(value, other)
     assert plan.rows == 2 and plan.tokens.shape == (4, PACK)  # 8 samples in 4 rows, not 8
     inputs = batch.attention_mask[:, :-1]
     for g, group in enumerate(groups):  # every input token and target comes back in place
@@ -75,22 +77,25 @@ def test_packed_update_equals_padded(name, micro, kl, updates, chunk):
     assert np.abs(lp_packed[mask] - lp_padded[:, :PACK][mask]).max() <= 1e-6
 
     learner = packed.learner
-    placed = learner.place_batch(packed_batch.arrays())
-    rows = placed["pack_tokens"].shape[0]  # micro 4: 2 rows per micro-batch of 4 samples
-    assert rows == (4 if micro == 4 else 8) and placed["tokens"].shape == (8, PACK + 1)
+    placed = learner.place_batch(packed_batch.train_batch())
+    rows = placed.pack.tokens.shape[0]  # micro 4: 2 rows per micro-batch of 4 samples
+    assert rows == (4 if micro == 4 else 8) and placed.tokens.shape == (8, PACK + 1)
     if padded.state.critic_params is not None:  # values and reference log-probs (ppo)
         p_out, _ = padded.learner._prepare(
             padded.state.ref_params,
             padded.state.critic_params,
-            padded.learner.place_batch({**batch.arrays(), "old_logprobs": lp_padded}),
+            padded.learner.place_batch(batch.train_batch().replace(old_logprobs=lp_padded)),
         )
         q_out, _ = learner._prepare(
             packed.state.ref_params,
             packed.state.critic_params,
-            {**placed, "old_logprobs": lp_packed},
+            placed.replace(old_logprobs=lp_packed),
         )
-        for key in set(p_out) & {"ref_logprobs", "values"}:
-            diff = np.abs(np.asarray(q_out[key]) - np.asarray(p_out[key])[:, :PACK])[mask]
+        for key in ("ref_logprobs", "values"):
+            if getattr(p_out, key) is None:
+                continue
+            q, p = np.asarray(getattr(q_out, key)), np.asarray(getattr(p_out, key))
+            diff = np.abs(q - p[:, :PACK])[mask]
             assert diff.max() <= 1e-6, key
 
     m_padded, m_packed = padded.update(batch), packed.update(packed_batch)
@@ -115,8 +120,8 @@ def test_a_segment_cannot_see_another():
     changes its own log-probs and leaves every other sample's exactly as they were."""
     batch = _batch()
     run = _Run("grpo", 8, pack_tokens=PACK)
-    placed = run.learner.place_batch(batch.arrays())
-    index, width = np.asarray(placed["pack_index"]), PACK
+    placed = run.learner.place_batch(batch.train_batch())
+    index, width = np.asarray(placed.pack.index), PACK
     row_of = lambda i: set((index[i][index[i] > 0] - 1) // width)  # noqa: E731
     assert row_of(6) == row_of(4)
     before = np.asarray(run.old_logprobs(batch))

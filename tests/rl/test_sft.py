@@ -14,7 +14,7 @@ from flax import nnx
 from jaxloop.data.datasets import Example
 from jaxloop.data.tokenizer import CharTokenizer
 from jaxloop.io.hf import load_hf
-from jaxloop.rl.sft import SFTStepper, sft_arrays, sft_loss, sft_sequences
+from jaxloop.rl.sft import SFTStepper, sft_batch, sft_loss, sft_sequences
 from tests.models.torch_reference import reference_forward, write_random_checkpoint
 
 EXAMPLES = [
@@ -29,21 +29,21 @@ SEQ = 12
 def _arrays():
     tok = CharTokenizer(vocab_size=64)
     prompts, answers = sft_sequences(tok, EXAMPLES)
-    return tok, prompts, answers, sft_arrays(prompts, answers, SEQ)
+    return tok, prompts, answers, sft_batch(prompts, answers, SEQ)
 
 
 def test_rows_mask_the_answer_and_eos_only():
     tok, prompts, answers, arrays = _arrays()
-    assert arrays["tokens"].shape == (len(EXAMPLES), SEQ)
-    assert arrays["loss_mask"].shape == (len(EXAMPLES), SEQ - 1)
+    assert arrays.tokens.shape == (len(EXAMPLES), SEQ)
+    assert arrays.loss_mask.shape == (len(EXAMPLES), SEQ - 1)
     for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
         assert a[-1] == tok.eos_id and tok.decode(a[:-1]) == EXAMPLES[i].label
-        where = np.flatnonzero(arrays["loss_mask"][i])
+        where = np.flatnonzero(arrays.loss_mask[i])
         # target j + 1 is predicted at j: the first answer token at the prompt's last position
         assert where.tolist() == list(range(len(p) - 1, len(p) - 1 + len(a)))
-        assert arrays["tokens"][i, 1:][where].tolist() == a
-        assert arrays["tokens"][i, : len(p)].tolist() == p
-        assert int(arrays["attention_mask"][i].sum()) == len(p) + len(a)
+        assert arrays.tokens[i, 1:][where].tolist() == a
+        assert arrays.tokens[i, : len(p)].tolist() == p
+        assert int(arrays.attention_mask[i].sum()) == len(p) + len(a)
 
 
 def _model(tmp_path):
@@ -58,14 +58,14 @@ def _model(tmp_path):
 def test_loss_equals_float64_reference(tmp_path):
     hf, tensors, graphdef, params = _model(tmp_path)
     _, _, _, arrays = _arrays()
-    mask = arrays["loss_mask"]
+    mask = arrays.loss_mask
     loss, sums = jax.jit(lambda p, x: sft_loss(graphdef, p, x, mask.sum()))(params, arrays)
 
     ref = reference_forward(
-        tensors, hf, arrays["tokens"][:, :-1], attention_mask=arrays["attention_mask"][:, :-1]
+        tensors, hf, arrays.tokens[:, :-1], attention_mask=arrays.attention_mask[:, :-1]
     )
     logp = torch.log_softmax(ref["logits"], dim=-1).numpy()
-    targets = arrays["tokens"][:, 1:]
+    targets = arrays.tokens[:, 1:]
     nll = -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     want = float((nll * mask).sum() / mask.sum())
     assert abs(float(loss) - want) <= 1e-5 * abs(want), (float(loss), want)

@@ -1,8 +1,8 @@
 """Ray rollout classes with the hooks only tests need: an engine that sleeps or leaves a marker
 file at chosen points (so a test can kill it mid-generate / mid-publication, or let it hang past
-a timeout), a manager whose timeouts and restart limit can be changed, and a client that starts
-that manager. Importable by the actor processes (the client's runtime env puts the repo root on
-PYTHONPATH)."""
+a timeout), a manager whose timeouts and restart limit can be changed, and `debug_client`: a
+RayRolloutClient given both. Importable by the actor processes (the client's runtime env puts
+the repo root on PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 
+from jaxloop.rollout.api import Policy
+from jaxloop.rollout.publication.policy import hf_tensors as policy_hf_tensors
 from jaxloop.rollout.ray.actor import EngineProcess
 from jaxloop.rollout.ray.client import RayRolloutClient
 from jaxloop.rollout.ray.manager import RolloutManagerProcess
@@ -63,12 +66,7 @@ class DebugEngineProcess(EngineProcess):
         return data
 
 
-DebugEngineActor = ray.remote(max_restarts=0, max_task_retries=0)(DebugEngineProcess)
-
-
 class DebugManagerProcess(RolloutManagerProcess):
-    engine_actor = DebugEngineActor
-
     def set_debug(self, index: int, **kwargs) -> None:
         ray.get(self.group.handles[index].set_debug.remote(**kwargs))
 
@@ -101,8 +99,18 @@ class DebugManagerProcess(RolloutManagerProcess):
         return old
 
 
-DebugManager = ray.remote(max_restarts=0)(DebugManagerProcess)
+def debug_client(rollout, actor_model, settings, **kwargs) -> RayRolloutClient:
+    """A RayRolloutClient whose manager and engines are the debug processes above."""
+    return RayRolloutClient(
+        rollout,
+        actor_model,
+        settings,
+        manager_process=DebugManagerProcess,
+        engine_process=DebugEngineProcess,
+        **kwargs,
+    )
 
 
-class DebugRayRolloutClient(RayRolloutClient):
-    manager_actor = DebugManager
+def hf_tensors(client: RayRolloutClient, policy: Policy) -> list[tuple[str, np.ndarray]]:
+    """`policy` as HF-named tensors in the client's engines' dtypes (what it publishes)."""
+    return policy_hf_tensors(policy, {n: dtype for n, (_, dtype) in client.expected.items()})

@@ -17,6 +17,7 @@ from jaxloop.rl.learner import Learner, LearnerConfig
 from jaxloop.rl.losses import LossHParams
 from jaxloop.rl.state import build_train_state
 from jaxloop.rl.stats import actor_token_stats
+from jaxloop.rollout.api import Policy
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 
@@ -34,7 +35,7 @@ def engine():
     # gate makes the exit depend on the token, so every depth occurs
     model.exit_gate[...] = model.exit_gate[...] * 60.0
     eng = JaxSamplerEngine(model)
-    eng.publish(nnx.state(model), version=3)
+    eng.publish(Policy(nnx.state(model), 3, model.config))
     return eng
 
 
@@ -146,10 +147,10 @@ def test_gate_gradients_only_with_depth_as_action(engine, depth_as_action):
     )
     gate = {name: np.asarray(params[name]) for name in ("exit_gate", "exit_bias")}
     train_state = build_train_state(params, tx, None, None)  # donated by the update
-    batch = learner.place_batch(arrays.arrays())
-    batch["old_logprobs"] = learner.old_logprobs(train_state, batch)
+    batch = learner.place_batch(arrays.train_batch())
+    batch = batch.replace(old_logprobs=learner.old_logprobs(train_state, batch))
     # the recompute includes the exit log-probs exactly when the engine's behaviour does
-    old = np.asarray(batch["old_logprobs"])
+    old = np.asarray(batch.old_logprobs)
     assert (np.abs(old - arrays.behav_logprobs) * arrays.response_mask).max() <= 3e-6
     new_state, metrics = learner.update(train_state, batch)
     assert metrics["grad_norm"] > 0

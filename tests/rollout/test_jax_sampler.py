@@ -10,7 +10,7 @@ from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.models.kv_cache import read_lengths
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rollout.api import NotPublishedError, PublicationError
+from jaxloop.rollout.api import NotPublishedError, Policy, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine, _generate, filter_logprobs
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 from tests.rl.oracle import token_logprobs
@@ -23,7 +23,7 @@ def engine(request):
     cfg = LoopedConfig.from_hf_dict(tiny_hf_config(request.param))
     model = LoopedLM(cfg, rngs=nnx.Rngs(0))
     eng = JaxSamplerEngine(model)
-    eng.publish(nnx.state(model), version=7)
+    eng.publish(Policy(nnx.state(model), 7, model.config))
     return eng
 
 
@@ -142,12 +142,12 @@ def test_refuses_before_publish_and_checks_hf_publication():
     other = LoopedLM(cfg, rngs=nnx.Rngs(2))
     tensors = list(iter_hf(other, cfg))
     with pytest.raises(PublicationError, match="missing tensor"):
-        eng.publish(tensors[1:], 1)
+        eng.publish_tensors(tensors[1:], 1)
     bad = [(n, a[:-1] if n == "lm_head.weight" else a) for n, a in tensors]
     with pytest.raises(PublicationError, match="lm_head.weight"):
-        eng.publish(bad, 1)
+        eng.publish_tensors(bad, 1)
     assert eng.version is None
-    stats = eng.publish(tensors, 3)
+    stats = eng.publish_tensors(tensors, 3)
     assert eng.version == 3 and stats.num_tensors == len(tensors)
     req = _requests(1)[0]
     out = eng.generate([req], SamplingConfig(greedy=True, max_new_tokens=1))[0]
@@ -166,7 +166,7 @@ def test_loop_budget_runs_k_loops(engine):
     assert {s.extras["loop_budget"] for s in full} == {cfg.num_loops}
     one_loop = LoopedLM(cfg.replace(num_loops=1), rngs=nnx.Rngs(0))
     other = JaxSamplerEngine(one_loop)
-    other.publish(state, version=7)
+    other.publish(Policy(state, 7, cfg))
     again = other.generate(_requests(), budget)
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]
     assert [s.response_logprobs for s in again] == [s.response_logprobs for s in samples]

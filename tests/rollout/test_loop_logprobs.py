@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rollout.api import Policy
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import SamplingConfig
 from tests.rollout import test_early_exit as early_exit
@@ -80,7 +81,7 @@ def test_loop_logprobs_of_a_family_without_a_norm_between_loops():
     model = LoopedLM(cfg, rngs=nnx.Rngs(1))
     model.final_norm[...] = 1.7 * model.final_norm[...]  # a missing (or second) norm would show
     sampler = JaxSamplerEngine(model)
-    sampler.publish(nnx.state(model), version=0)
+    sampler.publish(Policy(nnx.state(model), 0, model.config))
     samples = sampler.generate(_requests(), _sampling("none"))
     batch = RolloutBatch.from_samples(samples, [0.0] * len(samples))
     tokens, attn = jnp.asarray(batch.tokens[:, :-1]), jnp.asarray(batch.attention_mask[:, :-1])

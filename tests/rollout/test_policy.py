@@ -7,7 +7,7 @@ from flax import nnx
 from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.policy import hf_tensors
+from jaxloop.rollout.publication.policy import hf_tensors
 
 
 @pytest.mark.parametrize("family", ["nanbeige", "ouro"])

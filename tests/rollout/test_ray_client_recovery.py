@@ -5,12 +5,15 @@ process SIGKILLed mid-produce) is tests/rollout/test_ray_recovery.py (slow)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from jaxloop.rollout.api import ManagerFailedError
 from jaxloop.rollout.ray import client as ray_client
 from jaxloop.rollout.ray.client import RayRolloutClient
+from jaxloop.rollout.ray.transport import ObjectStoreTransport, Publication, ReplayChain
 
 
 class FakeManager:
@@ -59,8 +62,9 @@ def _client(monkeypatch, deaths: list[list[str]]):
     client = object.__new__(RayRolloutClient)
     client.log = []
     client._placement_group = None
-    client._chain = [({"version": 3}, ["chunk"], "object_store")]
-    client._version = 3
+    # the committed version 3: one publication (its manifest stands in for a real one)
+    publication = Publication(SimpleNamespace(version=3), ("chunk",), ObjectStoreTransport(), 1, "")
+    client.chain = ReplayChain((publication,))
     client._cursor = {"pos": 0}
     client.manager_restarts = 0
     client._engine_restarts = [0.0, 0.0]
@@ -89,7 +93,7 @@ def test_manager_death_in_produce_restores_the_cursor_before_it_and_retries(monk
         ("produce_step", (1,)),
         ("new manager", ()),
         ("restore", ({"pos": 1},)),
-        ("publish", ({"version": 3}, ["chunk"], "object_store")),
+        ("serve", (client.chain,)),
         ("produce_step", (1,)),
     ]
     assert samples == ["sample of update 1 at 1"]

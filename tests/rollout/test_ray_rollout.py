@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,11 +30,16 @@ from jaxloop.config import base_config, run_config
 from jaxloop.rollout.api import Policy, PublicationError
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
-from jaxloop.rollout.publication import Manifest, make_chunks, serialize_tensors, tensor_hashes
+from jaxloop.rollout.publication.transaction import (
+    Manifest,
+    make_chunks,
+    serialize_tensors,
+    tensor_hashes,
+)
 from jaxloop.rollout.ray.group import split_evenly
 from jaxloop.train.build import build_actor
 from jaxloop.train.setup import actor_seed, producer_settings
-from tests.rollout.ray_debug import DebugRayRolloutClient
+from tests.rollout.ray_debug import debug_client, hf_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -69,9 +75,8 @@ class Bridge:
             "B": nnx.split(build_actor(_cfg(seed=1), actor_seed(_cfg(seed=1))))[1],
         }
         start = time.perf_counter()
-        self.client = DebugRayRolloutClient(
-            run_config(cfg).rollout, self.actor, self.settings, engine_kind="jax"
-        )
+        # rollout.engine 'jax': the embedded sampler in the engine actors (no vLLM)
+        self.client = debug_client(run_config(cfg).rollout, self.actor.config, self.settings)
         self.client.bucket_bytes = 16 << 10  # several buckets per publication of this tiny model
         TIMINGS["client_start_s"] = time.perf_counter() - start
         TIMINGS.update({k: v for k, v in self.client.timings.items()})
@@ -196,7 +201,7 @@ def _versions(client) -> list[int]:
 
 def _refused(client, manifest, chunks, match, **kw):
     with pytest.raises(PublicationError, match=match):
-        client.publish_prepared(manifest, chunks, **kw)
+        client.send(dataclasses.replace(client.stage(manifest, chunks), **kw))
 
 
 def test_publication_through_bridge_and_refusals(bridge):
@@ -213,7 +218,7 @@ def test_publication_through_bridge_and_refusals(bridge):
     # the comparison has power: the two policies sample differently
     assert [s.response_ids for s in on_a] != [s.response_ids for s in on_b]
 
-    tensors = client.hf_tensors(bridge.policy("A"))
+    tensors = hf_tensors(client, bridge.policy("A"))
     version = bridge.next_version
     manifest = Manifest.build(version, tensors)
     chunks = make_chunks(tensors, client.bucket_bytes)
@@ -374,11 +379,13 @@ def test_hung_publication_is_killed_and_restarted(bridge):
 
 def test_publish_bandwidth_is_reported(bridge):
     stats = bridge.serve("B")
-    assert stats.num_bytes == sum(a.nbytes for _, a in bridge.client.hf_tensors(bridge.policy("B")))
+    assert stats.num_bytes == sum(
+        a.nbytes for _, a in hf_tensors(bridge.client, bridge.policy("B"))
+    )
     assert stats.seconds > 0 and stats.gb_per_s == pytest.approx(
         stats.num_bytes / stats.seconds / 1e9
     )
-    assert bridge.client.publish_history[-1] == stats
+    assert bridge.client.last_publish == stats
     TIMINGS["publish_gb_per_s"] = stats.gb_per_s
     assert dataclasses.asdict(stats)["version"] == bridge.next_version - 1
 
@@ -428,7 +435,7 @@ def test_delta_publication(bridge, tmp_path):
         assert_same_samples(client.produce(6)[0], seen["D"])
 
         # a refused delta (over a version the engines do not serve): D keeps serving
-        tensors = client.hf_tensors(bridge.policy("A"))
+        tensors = hf_tensors(client, bridge.policy("A"))
         names = [n for n, _ in tensors]
         bad = Manifest.build(served + 1, tensors, base_version=served - 1, sent=names[:1])
         _refused(client, bad, make_chunks(tensors[:1], 1 << 20), "delta over version")
@@ -466,10 +473,10 @@ def test_xor_delta_publication(bridge):
         assert first.sent_bytes == first.num_bytes and client._base_tensors is not None
         bridge.policies["E"] = _altered(bridge, "A", {"blocks.o_proj": 2.0, "lm_head": 1.5})
         stats = bridge.serve("E")
-        delta = Manifest.from_dict(client._chain[-1][0])
+        delta = client.chain[-1].manifest
         assert delta.base_version == first.version and "lm_head.weight" in delta.sent
         assert delta.xor and any("o_proj" in n for n in delta.xor)
-        raw = sum(a.nbytes for n, a in client.hf_tensors(bridge.policy("E")) if n in delta.sent)
+        raw = sum(a.nbytes for n, a in hf_tensors(client, bridge.policy("E")) if n in delta.sent)
         assert stats.sent_bytes == delta.sent_bytes < raw and not stats.fell_back
         TIMINGS["xor_delta_sent_of_changed"] = stats.sent_bytes / raw
 
@@ -484,8 +491,8 @@ def test_xor_delta_publication(bridge):
             if chained > stats.num_bytes:
                 break
         assert chained > stats.num_bytes, chained
-        staged = Manifest.from_dict(client._chain[0][0])  # the rebased chain: F in full
-        assert len(client._chain) == 1 and staged.version == stats.version
+        staged = client.chain[0].manifest  # the rebased chain: F in full
+        assert len(client.chain) == 1 and staged.version == stats.version
         assert staged.base_version is None and staged.retain
         cursor = client.state()
         want = bridge.reference_produce("F", cursor, 6)[0]
@@ -524,9 +531,7 @@ class VLLMBridge:
         self.policies = {k: nnx.split(m)[1] for k, m in self.models.items()}
         self.settings = producer_settings(cfg, requires_groups=True)
         start = time.perf_counter()
-        self.client = DebugRayRolloutClient(
-            run_config(cfg).rollout, self.models["A"], self.settings
-        )
+        self.client = debug_client(run_config(cfg).rollout, self.models["A"].config, self.settings)
         TIMINGS["vllm_client_start_s"] = time.perf_counter() - start
         TIMINGS["vllm_engine_start_s"] = self.client.timings["engine_start_s"]
 
@@ -569,10 +574,25 @@ def _max_logprob_error(model, samples) -> float:
     return worst
 
 
+def test_vllm_weights_leave_the_trainer_only_by_publication(vllm_bridge):
+    """The vLLM engine boots from the model's config alone: the bytes the trainer wrote for it
+    hold no tensor, so version 0 leaves the trainer once, by its publication (the next test
+    publishes it, in full, and checks the engine serves it). Before: the whole model was
+    written for the engine to boot from, then published again as version 0."""
+    client = vllm_bridge.client
+    boot = Path(client.spec.model_dir)
+    written = {f.name: f.stat().st_size for f in boot.rglob("*") if f.is_file()}
+    assert "config.json" in written
+    tensor_bytes = sum(size for name, size in written.items() if name != "config.json")
+    assert tensor_bytes == 0, written
+    assert client.version is None and client.last_publish is None  # nothing published yet
+
+
 def test_vllm_engine_behind_bridge(vllm_bridge, tmp_path):
     client = vllm_bridge.client
     assert client.transport == "object_store"
     stats = client.publish(vllm_bridge.policy("A", 0))
+    assert stats.sent_bytes == stats.num_bytes  # version 0 in full, once (boot: no tensors)
     TIMINGS["vllm_publish_s"] = stats.seconds
     cursor = client.state()
     on_a, _ = client.produce(0)
@@ -589,7 +609,7 @@ def test_vllm_engine_behind_bridge(vllm_bridge, tmp_path):
     assert all(s.policy_version == 1 for s in on_b)
 
     # a refused publication (wrong digest; then a missing tensor) leaves B serving
-    tensors = client.hf_tensors(vllm_bridge.policy("A"))
+    tensors = hf_tensors(client, vllm_bridge.policy("A"))
     manifest = Manifest.build(2, tensors)
     _refused(client, manifest, make_chunks(tensors, 1 << 20), "digest", digest="f" * 64)
     _refused(client, manifest, make_chunks(tensors[:-1], 1 << 20), "received|missing")

@@ -17,9 +17,9 @@ from flax import nnx
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.parallel.mesh import make_mesh, shard_model
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.policy import hf_tensors
-from jaxloop.rollout.publication import tensor_hashes
-from jaxloop.rollout.staging import HostStaging, device_cast_is_exact
+from jaxloop.rollout.publication.policy import hf_tensors
+from jaxloop.rollout.publication.staging import HostStaging, device_cast_is_exact
+from jaxloop.rollout.publication.transaction import tensor_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxloop.io.hf import save_hf
 from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rollout.api import Policy
 from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.types import SamplingConfig
 from tests.rollout.test_vllm_engine import TOL, _make_model, _requests, _tensors
@@ -48,7 +49,7 @@ def setup(tmp_path_factory):
         enforce_eager=True,
         enable_prefix_caching=False,
     )
-    engine.publish(_tensors(model), version=1)
+    engine.publish_tensors(_tensors(model), version=1)
     yield model, engine
     engine.close()
     print(
@@ -136,7 +137,7 @@ def test_greedy_threshold_equals_the_embedded_sampler(setup):
     requests = _requests(4, base_len=9)
     ours = engine.generate(requests, sampling)
     jax_engine = JaxSamplerEngine(model)
-    jax_engine.publish(nnx.state(model), version=1)
+    jax_engine.publish(Policy(nnx.state(model), 1, model.config))
     theirs = jax_engine.generate(requests, sampling)
     for a, b in zip(ours, theirs, strict=True):
         assert a.response_ids == b.response_ids

@@ -24,7 +24,7 @@ from jaxloop.io.hf import save_hf
 from jaxloop.io.hf_walk import iter_hf
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.rollout.api import NotPublishedError, PublicationError
-from jaxloop.rollout.publication import Manifest, make_chunks
+from jaxloop.rollout.publication.transaction import Manifest, make_chunks
 from jaxloop.rollout.types import PromptRequest, SamplingConfig
 
 TOL = 1e-4  # fp32, engine vs JAX, absolute on log-probs
@@ -145,7 +145,7 @@ class Harness:
     def serve(self, which: str):
         if self.serving != which:
             version = 0 if self.engine.version is None else self.engine.version + 1
-            self.engine.publish(self.tensors[which], version)
+            self.engine.publish_tensors(self.tensors[which], version)
             self.serving = which
         return self.models[which]
 
@@ -385,7 +385,7 @@ def test_missing_tensor_refused(harness):
     new = [t for t in harness.tensors["B"] if t[0] != "model.layers.1.mlp.down_proj.weight"]
     _refused(
         harness,
-        lambda: engine.publish(new, engine.version + 1),
+        lambda: engine.publish_tensors(new, engine.version + 1),
         "missing tensor model.layers.1.mlp.down_proj.weight",
     )
 
@@ -400,7 +400,7 @@ def test_wrong_shape_refused(harness):
     ]
     _refused(
         harness,
-        lambda: engine.publish(new, engine.version + 1),
+        lambda: engine.publish_tensors(new, engine.version + 1),
         "model.layers.0.self_attn.k_proj.weight has shape",
     )
 
@@ -411,7 +411,9 @@ def test_wrong_dtype_unknown_tensor_and_stale_version_refused(harness):
     engine = harness.engine
     v = engine.version
     bf16 = [(n, a.astype(ml_dtypes.bfloat16)) for n, a in harness.tensors["B"]]
-    _refused(harness, lambda: engine.publish(bf16, v + 1), "dtype bfloat16, expected float32")
+    _refused(
+        harness, lambda: engine.publish_tensors(bf16, v + 1), "dtype bfloat16, expected float32"
+    )
     extra = harness.tensors["B"] + [("model.layers.7.mlp.up_proj.weight", np.zeros(3, np.float32))]
-    _refused(harness, lambda: engine.publish(extra, v + 1), "unknown tensor")
-    _refused(harness, lambda: engine.publish(harness.tensors["B"], v), "not newer")
+    _refused(harness, lambda: engine.publish_tensors(extra, v + 1), "unknown tensor")
+    _refused(harness, lambda: engine.publish_tensors(harness.tensors["B"], v), "not newer")

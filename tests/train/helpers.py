@@ -23,6 +23,8 @@ TINY = (
     "--config.micro_batch_size=8",
     "--config.eval_prompts=8",
     "--config.progress=false",
+    # matplotlib costs ~2 CPU-s per run; the tests that check curves.png turn it back on
+    "--config.curves=false",
 )
 # Metrics that measure time, not the computation: excluded from bitwise comparisons.
 VOLATILE = TIMING_METRICS
@@ -57,3 +59,24 @@ def read_rows(run_dir) -> list[dict]:
 
 def stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def interrupt_at_checkpoint(cmd, env, run_dir, log, action, step: int = 1, timeout: int = 600):
+    """Run `cmd` (output to the file `log`) until checkpoint `step` of `run_dir` is committed, then
+    call `action()` (lose a node, kill a process); returns (exit code, seconds from the action
+    until the command ended)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (Path(run_dir) / "checkpoints" / str(step)).is_dir():
+            assert proc.poll() is None, Path(log).read_text()[-4000:]
+            assert time.monotonic() < deadline, f"checkpoint {step} never appeared"
+            time.sleep(0.1)
+        acted_at = time.perf_counter()
+        action()
+        code = proc.wait(timeout=timeout)
+        return code, time.perf_counter() - acted_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -113,7 +113,7 @@ def test_finished_run_summary_resume_and_rerun(tmp_path, capsys, monkeypatch):
     third run of the finished dir is one line, exit 0, builds nothing and writes nothing."""
     run_dir = tmp_path / "run"
     common = ["--config", "ppo.py", *TINY, f"--config.run_dir={run_dir}"]
-    common += ["--config.total_updates=2", "--config.eval_every=1"]
+    common += ["--config.total_updates=2", "--config.eval_every=1", "--config.curves=true"]
     assert main([*common, "--config.stop_after=1"]) == 0
     err = capsys.readouterr().err
     assert "run summary: update 1 of 2" in err

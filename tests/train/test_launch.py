@@ -54,3 +54,46 @@ def test_launch_refuses_bad_arguments():
         text=True,
     )
     assert proc.returncode == 2 and "--num-processes must be >= 1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        (("--ray-resources", "trainer_slot"), "expected NAME=AMOUNT with AMOUNT > 0"),
+        (("--ray-resources", "trainer_slot=-1"), "expected NAME=AMOUNT with AMOUNT > 0"),
+        (("--ray-placement-timeout-s", "0"), "--ray-placement-timeout-s must be > 0"),
+    ],
+)
+def test_launch_refuses_bad_ray_options(option, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.launch", "--ray", *option, "--num-processes", "2"]
+        + ["--", *TINY],
+        capture_output=True,
+        text=True,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("--config.rollout.engine_resources=engine_slot",), "expected NAME=AMOUNT"),
+        (("--config.rollout.engine_resources=engine_slot=0",), "expected NAME=AMOUNT"),
+        (
+            ("--config.rollout.engine=vllm", "--config.rollout.engine_resources=engine_slot=1"),
+            "rollout.engine_resources needs rollout.ray_address",
+        ),
+    ],
+)
+def test_train_refuses_bad_engine_resources(tmp_path, overrides, message, env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.train", "--config", "grpo.py", *TINY, *overrides]
+        + [f"--config.run_dir={tmp_path / 'run'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()

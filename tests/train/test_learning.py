@@ -28,6 +28,7 @@ def test_warm_started_reverse_is_lifted_by_rl(tmp_path, algorithm):
         f"--config.eval_every={LIFT_UPDATES}",
         "--config.checkpoint_every=0",
         "--config.progress=false",
+        "--config.curves=false",  # no test here reads curves.png
         timeout=1200,
     )
     assert len(rows) == LIFT_UPDATES

@@ -55,17 +55,20 @@ def test_batch_carries_per_loop_logprobs_padded_like_the_behaviour_logprobs():
     longer = batch.with_length(12)
     assert longer.loop_behav_logprobs.shape == (4, 2, 11)
     np.testing.assert_array_equal(longer.loop_behav_logprobs[..., :7], batch.loop_behav_logprobs)
-    assert "loop_behav_logprobs" not in batch.arrays()  # host-only: the learner never sees it
+    # host-only: the learner never sees it
+    assert not hasattr(batch.train_batch(), "loop_behav_logprobs")
 
 
 def test_a_loop_beyond_the_bound_is_refused_by_name():
     batch = _batch()
-    trainer = np.moveaxis(batch.loop_behav_logprobs, 1, 0).copy()  # [L, N, T]: all agree
-    stats = check_engine_logprobs(3, batch, trainer[-1], 1e-3, trainer)
+    trainer = batch.loop_behav_logprobs.copy()  # [N, L, T]: all agree
+    stats = check_engine_logprobs(3, batch, trainer[:, -1], 1e-3, trainer)
     assert stats["loop1_logprob_diff_max"] == stats["loop2_logprob_diff_max"] == 0.0
-    trainer[0, 1, 0] += 0.01  # loop 1 of the second sample's only response token (prompt 1)
-    trainer[0, 3, :] += 1.0  # a padding row: masked
+    trainer[1, 0, 0] += 0.01  # loop 1 of the second sample's only response token (prompt 1)
+    trainer[3, 0, :] += 1.0  # a padding row: masked
     with pytest.raises(LogprobMismatchError, match="difference of loop 1 0.01 exceeds"):
-        check_engine_logprobs(3, batch, trainer[-1], 1e-3, trainer)
-    assert check_engine_logprobs(3, batch, trainer[-1], 0.02, trainer)["loop1_logprob_diff_max"] > 0
-    assert "loop1_logprob_diff_max" not in check_engine_logprobs(3, batch, trainer[-1], 1e-3)
+        check_engine_logprobs(3, batch, trainer[:, -1], 1e-3, trainer)
+    assert (
+        check_engine_logprobs(3, batch, trainer[:, -1], 0.02, trainer)["loop1_logprob_diff_max"] > 0
+    )
+    assert "loop1_logprob_diff_max" not in check_engine_logprobs(3, batch, trainer[:, -1], 1e-3)

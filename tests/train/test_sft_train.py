@@ -38,6 +38,7 @@ SFT_ARGS = (
     "--config.checkpoint_every=2",
     "--config.keep_checkpoints=5",
     "--config.progress=false",
+    "--config.curves=false",  # no test here reads curves.png
 )
 
 

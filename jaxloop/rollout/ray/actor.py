@@ -10,12 +10,16 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
 from jaxloop.rollout.api import PublicationError
-from jaxloop.rollout.publication import Manifest, PublicationReceiver, dtype_name
+from jaxloop.rollout.publication.transaction import PublicationReceiver, dtype_name
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
+
+if TYPE_CHECKING:
+    from jaxloop.rollout.ray.transport import Publication, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +42,9 @@ def error_text(err: BaseException) -> str:
 class EngineSpec:
     """How to build one engine (crosses process boundaries: plain values only).
 
-    kind 'jax': hf_config (LoopedConfig.to_hf_dict()) + numerics (LoopedConfig.replace kwargs:
-    param_dtype, compute_dtype, attention_impl); weights arrive with the first publication.
+    kind 'jax': hf_config (LoopedConfig.to_hf_dict()) + numerics (LoopedConfig.numerics(): the
+    trainer's dtypes, attention and scan_layers, so the engine runs the trainer sampler's
+    program); weights arrive with the first publication.
     kind 'vllm': model_dir (an HF checkpoint the engine starts from), dtype, seed,
     max_model_len and llm_kwargs for vllm.LLM.
     """
@@ -191,42 +196,32 @@ class EngineProcess:
     def expected_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self.expected
 
-    def publish(
-        self,
-        manifest: dict,
-        chunks: list,
-        transport: str,
-        count: int | None = None,
-        digest: str | None = None,
-    ) -> PublishStats:
+    def publish(self, publication: Publication) -> PublishStats:
         """One publication transaction; refusal -> PublicationError, previous version kept."""
         start = time.perf_counter()
-        m = Manifest.from_dict(manifest)
-        count = m.count if count is None else count
-        digest = m.digest if digest is None else digest
+        m, transport = publication.manifest, publication.transport
+        buckets = (self.read_chunk(c, transport) for c in publication.chunks)
+        finish = dict(count=publication.count, digest=publication.digest)
         if self.receiver is None:  # vLLM: the transaction is checked in the engine's worker(s)
-            data = (bytes(memoryview(self.read_chunk(c, transport))) for c in chunks)
-            return self.engine.publish_chunks(m, data, count=count, digest=digest, start=start)
+            data = (bytes(memoryview(b)) for b in buckets)
+            return self.engine.publish_chunks(m, data, start=start, **finish)
         try:
             self.receiver.begin(m.version, m)
-            for c in chunks:
-                self.receiver.add_chunk(m.version, self.read_chunk(c, transport))
-            tensors = self.receiver.finish(m.version, count, digest)
+            for bucket in buckets:
+                self.receiver.add_chunk(m.version, bucket)
+            tensors = self.receiver.finish(m.version, publication.count, publication.digest)
         except PublicationError:
             self.receiver.abort()
             raise
         except Exception as e:  # e.g. a lost object or file: refuse, keep the old version
             self.receiver.abort()
             raise PublicationError(f"publication {m.version}: {e!r}") from e
-        stats = self.engine.publish(tensors.items(), m.version)
+        stats = self.engine.publish_tensors(tensors.items(), m.version)
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
 
-    def read_chunk(self, chunk, transport: str):
-        """One publication bucket: an object ref (uint8 array in the object store) or, for the
-        'disk' transport, a file path."""
-        if transport == "object_store":
-            return ray.get(chunk)
-        return Path(chunk).read_bytes()
+    def read_chunk(self, chunk, transport: Transport):
+        """One publication bucket, read as its transport stages it."""
+        return transport.read(chunk)
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         return self.engine.generate(requests, sampling)
@@ -237,4 +232,7 @@ class EngineProcess:
             Path(self._log_config).unlink(missing_ok=True)
 
 
-EngineActor = ray.remote(max_restarts=0, max_task_retries=0)(EngineProcess)
+def engine_actor(process: type[EngineProcess] = EngineProcess):
+    """`process` (EngineProcess or a subclass) as the Ray actor class of an engine: never
+    restarted by Ray (the group restarts engines itself, on the committed policy)."""
+    return ray.remote(max_restarts=0, max_task_retries=0)(process)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -22,12 +23,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from jaxloop.mathutil import round_up
+from jaxloop.parallel.distributed import parse_resources
 from jaxloop.rollout.api import ManagerFailedError, Policy, PublicationError
-from jaxloop.rollout.policy import hf_tensors
-from jaxloop.rollout.publication import Manifest, iter_chunks, xor_encode
-from jaxloop.rollout.ray.actor import EngineSpec, error_text
-from jaxloop.rollout.ray.manager import RolloutManager
-from jaxloop.rollout.staging import HostStaging
+from jaxloop.rollout.publication.staging import HostStaging
+from jaxloop.rollout.publication.transaction import Manifest, iter_chunks, xor_encode
+from jaxloop.rollout.ray.actor import EngineProcess, EngineSpec, error_text
+from jaxloop.rollout.ray.group import placement_lines
+from jaxloop.rollout.ray.manager import RolloutManagerProcess, manager_actor
+from jaxloop.rollout.ray.transport import Publication, ReplayChain, make_transport
 from jaxloop.rollout.types import PublishStats, Sample
 
 logger = logging.getLogger(__name__)
@@ -52,17 +55,22 @@ def retained_copies(tensors: Iterable[tuple[str, np.ndarray]]) -> dict[str, np.n
 
 
 class RayRolloutClient:
-    """The rollout side of the trainer for Ray engines (`rollout.engine=vllm`).
+    """The rollout side of the trainer for Ray engines (`rollout.engine=vllm` or `ray_jax`).
 
     A RolloutSource, like RolloutProducer: publish(policy), produce(update), evaluate(),
     state(), restore(state), version, close(). `rollout`: the run's rollout section
-    (jaxloop/rollout/settings.py RolloutSection); `settings`: the producer's (seed, sampling,
-    loop budget); `log_level`: the engine actors' (default: rollout.engine_log_level).
-    `engine_kind` overrides rollout.engine ('jax' runs the embedded sampler in the engine actors:
-    used by tests, needs no vLLM).
+    (jaxloop/rollout/settings.py RolloutSection; engine 'jax' runs the embedded sampler in the
+    engine actors, no vLLM needed); `model_config`: the actor's LoopedConfig (the engines boot
+    from it alone: the weights leave the trainer only by publication, version 0 included);
+    `settings`: the producer's (seed, sampling, loop budget);
+    `log_level`: the engine actors' (default: rollout.engine_log_level); `manager_process` and
+    `engine_process`: the manager's and the engines' process classes.
+
+    The client owns the committed version as a ReplayChain (it outlives managers and engines,
+    and its buckets are the client's): the engine group serves the chain handed over with each
+    publication, and a replacement manager is handed it whole.
     """
 
-    manager_actor = RolloutManager  # the manager's actor class (tests: one with debug hooks)
     # capabilities (RolloutSource): engines on their own devices, generating while the learner
     # trains; no per-loop log-probs
     shares_devices = False
@@ -71,33 +79,28 @@ class RayRolloutClient:
     def __init__(
         self,
         rollout,
-        actor_model,
+        model_config,
         settings,
         *,
         log_level: str | None = None,
-        engine_kind: str | None = None,
+        manager_process: type[RolloutManagerProcess] = RolloutManagerProcess,
+        engine_process: type[EngineProcess] = EngineProcess,
     ):
         r = rollout
-        self.kind = engine_kind or r.engine
+        self.kind = "jax" if r.engine == "ray_jax" else r.engine  # the engine actors' kind
         self.log_level = log_level or r.engine_log_level.upper()
-        self.transport = r.transport
+        self.transport = r.transport  # its name: make_transport stages each publication
         self.publish_mode = r.publish  # 'full', 'delta' or 'delta_xor'
         self.bucket_bytes = max(1, int(r.publish_bucket_mb * 2**20))
         # host buffers every publication stages the policy through (allocated at the first)
         self._staging = HostStaging(self.bucket_bytes)
-        self.model_config = actor_model.config
+        self.model_config = model_config
         self.timings: dict[str, float] = {}
-        self.publish_history: list[PublishStats] = []
-        self.publish_breakdowns: list[dict[str, float]] = []
-        self.last_breakdown: dict[str, float] = {}
+        self.last_publish: PublishStats | None = None
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxloop-rollout-"))
-        self._version: int | None = None  # committed on every engine
-        # what a replacement manager needs: the publications (manifest dict, chunks, transport)
-        # that make up the committed version (the last full one and the deltas since; their
-        # buckets stay alive, `_dirs` for the disk transport) and the data cursor as of the last
-        # call that returned (restore / produce)
-        self._chain: list[tuple[dict, list, str]] = []
-        self._dirs: list[Path] = []
+        # the committed version (see the class docstring) and the data cursor as of the last
+        # call that returned (restore / produce): what a replacement manager is given
+        self.chain = ReplayChain()
         self._cursor: dict | None = None
         # delta publication: sha256 of every tensor of the committed version; delta_xor: its
         # host tensors too (one model copy on the host), the base of the xor payloads
@@ -111,12 +114,16 @@ class RayRolloutClient:
         self._placement_group: str | None = None
         try:
             self._connect(r.ray_address, r.num_engines)
-            spec, bundle = self._engine_spec(actor_model, settings)
-            self._manager_args = (settings, spec, r.num_engines, bundle)
+            self.spec, bundle = self._engine_spec(settings)
+            bundle.update(parse_resources(r.engine_resources))  # e.g. engine_slot=1: the node
+            self._manager_args = (settings, self.spec, r.num_engines, bundle)
             self._manager_kwargs = dict(
                 engine_timeout_s=float(r.engine_timeout_s),
                 publish_timeout_s=float(r.publish_timeout_s),
+                placement_timeout_s=float(r.engine_placement_timeout_s),
+                engine_process=engine_process,
             )
+            self._manager_actor = manager_actor(manager_process)
             start = time.perf_counter()
             info = self._start_manager()
             self.timings["manager_start_s"] = time.perf_counter() - start
@@ -130,14 +137,22 @@ class RayRolloutClient:
                 + (f"init {self.timings['ray_init_s']:.1f}s)" if self._started_ray else "joined)"),
                 file=sys.stderr,
             )
+            for line in placement_lines(self._placement_group):
+                print(f"rollout: {line}", file=sys.stderr)
         except BaseException:
             self.close()
             raise
 
     # ---- set-up ----
     def _start_manager(self) -> dict:
-        """A new RolloutManager (and its engines) from the client's settings; returns its info."""
-        self.manager = self.manager_actor.options(num_cpus=0, runtime_env=self._runtime_env).remote(
+        """A new RolloutManager (and its engines) from the client's settings; returns its info.
+        The manager runs on this process's node (it needs no resources): an engine node lost
+        takes only its engines, which the manager's group restarts or gives up on in one line."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        options = dict(num_cpus=0, runtime_env=self._runtime_env, scheduling_strategy=here)
+        self.manager = self._manager_actor.options(**options).remote(
             *self._manager_args, **self._manager_kwargs
         )
         info = ray.get(self.manager.info.remote())
@@ -158,8 +173,8 @@ class RayRolloutClient:
         self._start_manager()
         if self._cursor is not None:
             ray.get(self.manager.restore.remote(self._cursor))
-        for publication in self._chain:
-            ray.get(self.manager.publish.remote(*publication))
+        if self.chain:
+            ray.get(self.manager.serve.remote(self.chain))
         self.manager_restarts += 1
         logger.warning(
             "rollout manager died during %s (%s): restarted in %.1fs (restart #%d, serving "
@@ -235,35 +250,35 @@ class RayRolloutClient:
                 ray.init(address=address, **common)
             else:
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local test cluster
-                # one logical CPU per engine (its bundle) and one spare
-                ray.init(num_cpus=num_engines + 1, **common)
+                # one logical CPU per engine (its bundle) and one spare; "local": a new cluster,
+                # never one another process started on this machine (Ray's default joins it)
+                ray.init(address="local", num_cpus=num_engines + 1, **common)
         self._started_ray = True
         self.timings["ray_init_s"] = time.perf_counter() - start
 
-    def _engine_spec(self, actor_model, settings) -> tuple[EngineSpec, dict]:
+    def _engine_spec(self, settings) -> tuple[EngineSpec, dict]:
         gpus = ray.cluster_resources().get("GPU", 0.0)
         m = self.model_config
         if self.kind == "jax":
             spec = EngineSpec(
                 kind="jax",
                 hf_config=m.to_hf_dict(),
-                numerics=dict(
-                    param_dtype=m.param_dtype,
-                    compute_dtype=m.compute_dtype,
-                    attention_impl=m.attention_impl,
-                ),
+                numerics=m.numerics(),
                 seed=int(settings.seed),
                 log_level=self.log_level,
             )
             return spec, {"CPU": 1.0}
-        from jaxloop.io.hf import save_hf
+        from jaxloop.io.hf import hf_config_dict
 
-        start = time.perf_counter()
-        model_dir = save_hf(actor_model, self._tmp / "model", dtype="float32")
-        self.timings["save_initial_model_s"] = time.perf_counter() - start
+        # vLLM boots from the config alone, on dummy weights it never serves: the policy's
+        # weights reach it by publication (a NotPublishedError until the first)
+        model_dir = self._tmp / "model"
+        model_dir.mkdir()
+        hf = {**hf_config_dict(m), "torch_dtype": "float32"}
+        (model_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         limit = int(m.hf_config.get("max_position_embeddings", 1 << 30))
         need = settings.max_prompt_tokens + settings.sampling.max_new_tokens
-        llm_kwargs: dict[str, Any] = {}
+        llm_kwargs: dict[str, Any] = {"load_format": "dummy"}
         if logging.getLevelName(self.log_level) > logging.INFO:
             llm_kwargs["use_tqdm_on_load"] = False  # weight-loading progress bars
         early_exit = settings.sampling.early_exit
@@ -290,10 +305,6 @@ class RayRolloutClient:
         return spec, ({"CPU": 1.0, "GPU": 1.0} if gpus >= 1 else {"CPU": 1.0})
 
     # ---- publication ----
-    def hf_tensors(self, policy: Policy) -> list[tuple[str, np.ndarray]]:
-        """The policy as HF-named tensors in the engines' dtypes."""
-        return hf_tensors(policy, {name: dtype for name, (_, dtype) in self.expected.items()})
-
     def publish(self, policy: Policy) -> PublishStats:
         """Publish the trainer's actor state as policy `policy.version` on every engine
         (all-or-nothing; PublicationError on refusal, the engines keep serving the previous
@@ -312,20 +323,22 @@ class RayRolloutClient:
             self._delta(full, hashes, tensors) if delta_mode else (None, {}, False)
         )
         # hf_tensors_s: the host tensors and their hashes (staging; its stages in stage_*)
-        self.last_breakdown = {"hf_tensors_s": t_tensors - start, **staged.stats}
-        self.last_breakdown["manifest_s"] = time.perf_counter() - t_tensors
-        base = tensors if self.publish_mode == "delta_xor" else None
+        breakdown = {"hf_tensors_s": t_tensors - start, **staged.stats}
+        breakdown["manifest_s"] = time.perf_counter() - t_tensors
+        kept = dict(hashes=hashes, base=tensors if self.publish_mode == "delta_xor" else None)
         if delta is None:
-            chunks = iter_chunks(tensors, self.bucket_bytes)
-            return self.publish_prepared(full, chunks, start=start, hashes=hashes, base=base)
+            return self._send_full(full, tensors, start, breakdown, kept)
+        t_send = time.perf_counter()
         changed = set(delta.sent)
         sent = [(n, payloads.get(n, a)) for n, a in tensors if n in changed]
-        chunks = iter_chunks(sent, self.bucket_bytes)
-        replay = (full, iter_chunks(tensors, self.bucket_bytes)) if rebase else None
+        publication = self.stage(delta, iter_chunks(sent, self.bucket_bytes))
+        replay = None
+        if rebase:
+            chunks = iter_chunks(tensors, self.bucket_bytes)
+            replay = self.stage(full, chunks, label=f"v{full.version}-full")
+        breakdown["send_s"] = time.perf_counter() - t_send
         try:
-            return self.publish_prepared(
-                delta, chunks, start=start, hashes=hashes, base=base, replay=replay
-            )
+            return self.send(publication, start=start, breakdown=breakdown, replay=replay, **kept)
         except PublicationError as e:  # the engines still serve the committed version
             self.publish_fallbacks += 1
             logger.warning(
@@ -333,13 +346,18 @@ class RayRolloutClient:
                 policy.version,
                 e,
             )
-        chunks = iter_chunks(tensors, self.bucket_bytes)
-        stats = self.publish_prepared(full, chunks, start=start, hashes=hashes, base=base)
+        stats = self._send_full(full, tensors, start, dict(breakdown), kept)
         stats = dataclasses.replace(
             stats, sent_bytes=stats.sent_bytes + delta.sent_bytes, fell_back=True
         )
-        self.publish_history[-1] = stats
+        self.last_publish = stats
         return stats
+
+    def _send_full(self, full: Manifest, tensors, start: float, breakdown: dict, kept: dict):
+        t_send = time.perf_counter()
+        publication = self.stage(full, iter_chunks(tensors, self.bucket_bytes))
+        breakdown["send_s"] = time.perf_counter() - t_send
+        return self.send(publication, start=start, breakdown=breakdown, **kept)
 
     def _delta(
         self, full: Manifest, hashes: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]
@@ -353,7 +371,7 @@ class RayRolloutClient:
         deltas would carry more bytes than one model: the delta is sent, and a full publication
         of the new version is staged (not sent) as the chain's new start, so at most two models
         stay staged."""
-        if self._hashes is None or self._version is None:
+        if self._hashes is None or self.version is None:
             return None, {}, False
         changed = tuple(n for n in full.tensors if hashes[n] != self._hashes.get(n))
         payloads: dict[str, np.ndarray] = {}
@@ -366,107 +384,80 @@ class RayRolloutClient:
                     if payload is not None:
                         payloads[name] = np.frombuffer(payload, np.uint8)
         xor = {n: p.nbytes for n, p in payloads.items()} or None
-        delta = dataclasses.replace(full, base_version=self._version, sent=changed, xor=xor)
-        chained = sum(Manifest.from_dict(m).sent_bytes for m, _, _ in self._chain[1:])
+        delta = dataclasses.replace(full, base_version=self.version, sent=changed, xor=xor)
         if delta.sent_bytes >= full.total_bytes:
             return None, {}, False
-        return delta, payloads, chained + delta.sent_bytes > full.total_bytes
+        return delta, payloads, self.chain.delta_bytes + delta.sent_bytes > full.total_bytes
 
-    def publish_prepared(
+    def stage(self, manifest: Manifest, buckets: Iterable[bytes], label: str = "") -> Publication:
+        """The publication of `manifest` with its buckets staged where the engines fetch them
+        (rollout.transport)."""
+        transport = make_transport(self.transport, self._tmp / "publish")
+        return Publication.stage(manifest, buckets, transport, label or f"v{manifest.version}")
+
+    def send(
         self,
-        manifest: Manifest,
-        chunks: Iterable[bytes],
+        publication: Publication,
         *,
-        count: int | None = None,
-        digest: str | None = None,
         start: float | None = None,
         hashes: dict[str, bytes] | None = None,
         base: list[tuple[str, np.ndarray]] | None = None,
-        replay: tuple[Manifest, Iterable[bytes]] | None = None,
+        replay: Publication | None = None,
+        breakdown: dict[str, float] | None = None,
     ) -> PublishStats:
-        """Ship prepared buckets and run the transaction on every engine (count / digest default
-        to the manifest's; tests pass others). Refusal -> PublicationError; the engines keep
-        serving the previous version. `hashes`: the version's tensor_hashes, and `base` its host
-        tensors (delta_xor), kept as the base of the next delta when the manifest asks the
-        engines to retain it. `replay`: a full publication of the same version (manifest,
-        buckets), staged as the new start of the replay chain (see _delta), not sent."""
+        """Run the transaction of a staged publication on every engine. Refusal ->
+        PublicationError; the engines keep serving the previous version. `hashes`: the
+        version's tensor_hashes, and `base` its host tensors (delta_xor), kept as the base of the
+        next delta when the manifest asks the engines to retain it. `replay`: a full publication
+        of the same version, staged as the new start of the replay chain (see _delta), not
+        sent."""
         start = time.perf_counter() if start is None else start
-        t_send = time.perf_counter()
-        version = manifest.version
-        sent, where = self._stage(chunks, f"v{version}")
-        staged = None
-        if replay is not None:
-            staged_chunks, staged_dir = self._stage(replay[1], f"v{version}-full")
-            staged = (replay[0].to_dict(), staged_chunks, self.transport)
+        manifest = publication.manifest
+        chain = self.chain.after(publication, replay)
         t_commit = time.perf_counter()
-        args = (manifest.to_dict(), sent, self.transport)
         try:
             engine_stats = self._call(
-                f"publication {version}", "publish", *args, count, digest, staged
+                f"publication {manifest.version}", "publish", publication, chain
             )
         except PublicationError as e:
-            for d in (where, staged and staged_dir):
-                if d is not None:
-                    shutil.rmtree(d, ignore_errors=True)
+            publication.release()
+            if replay is not None:
+                replay.release()
             raise PublicationError(error_text(e)) from None
-        # count / digest: the manifest's (they matched)
-        if manifest.base_version is None or staged is not None:  # a new chain
-            old_dirs, self._chain, self._dirs = self._dirs, [staged or args], []
-            for old in old_dirs:
-                shutil.rmtree(old, ignore_errors=True)
-            if staged is not None and staged_dir is not None:
-                self._dirs.append(staged_dir)
-        else:
-            self._chain.append(args)
-        if where is not None:
-            self._dirs.append(where)
-        self._version = version
+        kept = {id(p) for p in chain}
+        for old in self.chain:
+            if id(old) not in kept:
+                old.release()
+        self.chain = chain
         self._hashes = dict(hashes) if manifest.retain and hashes is not None else None
         self._base_tensors = None
         if manifest.retain and base is not None:  # never a view of staging or jax buffers
             self._base_tensors = retained_copies(base)
+        breakdown = dict(breakdown or {})
+        breakdown.update(
+            commit_s=time.perf_counter() - t_commit,  # engines: fetch, verify, load (parallel)
+            engine_s=max(s.seconds for s in engine_stats),
+        )
         stats = PublishStats(
-            version=version,
+            version=manifest.version,
             num_tensors=manifest.count,
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - start,
             sent_bytes=manifest.sent_bytes,
+            breakdown=breakdown,
         )
-        self.publish_history.append(stats)
-        breakdown = getattr(self, "last_breakdown", {})
-        breakdown.update(
-            send_s=t_commit - t_send,  # bucket serialisation + ray.put / file writes
-            commit_s=time.perf_counter() - t_commit,  # engines: fetch, verify, load (parallel)
-            engine_s=max(s.seconds for s in engine_stats),
-        )
-        self.last_breakdown = {}
-        self.publish_breakdowns.append(breakdown)
+        self.last_publish = stats
         logger.info(
             "published version %d: %d tensors, %.1f MB (%.1f MB sent) in %.3fs (%.3f GB/s, %s)",
-            version,
+            manifest.version,
             stats.num_tensors,
             stats.num_bytes / 1e6,
             stats.sent_bytes / 1e6,
             stats.seconds,
             stats.gb_per_s,
-            self.transport,
+            publication.transport.name,
         )
         return stats
-
-    def _stage(self, chunks: Iterable[bytes], name: str) -> tuple[list, Path | None]:
-        """Buckets where the engines can fetch them: object refs, or files under a directory
-        (returned, for the disk transport)."""
-        if self.transport == "object_store":
-            return [ray.put(np.frombuffer(c, np.uint8)) for c in chunks], None
-        where = self._tmp / "publish" / name
-        shutil.rmtree(where, ignore_errors=True)
-        where.mkdir(parents=True)
-        paths = []
-        for i, c in enumerate(chunks):
-            path = where / f"chunk-{i:05d}.safetensors"
-            path.write_bytes(c)
-            paths.append(str(path))
-        return paths, where
 
     # ---- the producer surface ----
     def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
@@ -495,7 +486,7 @@ class RayRolloutClient:
 
     @property
     def version(self) -> int | None:
-        return self._version
+        return self.chain.version
 
     def close(self) -> None:
         """Stop the engines and the manager, remove temp files, and shut Ray down if this client
@@ -511,8 +502,7 @@ class RayRolloutClient:
                 pass
             self.manager = None
             self._remove_placement_group()  # a dead manager's (a live one removed its own)
-        self._version, self._chain, self._dirs, self._hashes = None, [], [], None
-        self._base_tensors = None
+        self.chain, self._hashes, self._base_tensors = ReplayChain(), None, None
         if getattr(self, "_staging", None) is not None:  # close() also runs on a failed __init__
             self._staging.close()
         shutil.rmtree(self._tmp, ignore_errors=True)

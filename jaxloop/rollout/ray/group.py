@@ -8,15 +8,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jaxloop.rollout.api import EngineFailedError, PublicationError
-from jaxloop.rollout.publication import Manifest, iter_chunks
-from jaxloop.rollout.ray.actor import EngineActor, EngineSpec, error_text
+from jaxloop.rollout.ray.actor import EngineProcess, EngineSpec, engine_actor, error_text
+from jaxloop.rollout.ray.transport import Publication, ReplayChain
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +32,21 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def placement_lines(placement_group_hex: str) -> list[str]:
+    """'engine I on node ID (IP), resources {...}' for each engine's bundle of the group."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(placement_group_hex)))
+    table = placement_group_table(pg)
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    lines = []
+    for i, bundle in sorted(table["bundles"].items()):
+        node = table["bundles_to_node_id"].get(i, "?")
+        resources = ", ".join(f"{k}: {v:g}" for k, v in bundle.items())
+        lines.append(f"engine {i} on node {node} ({ips.get(node, '?')}), resources {{{resources}}}")
+    return lines
+
+
 class EngineGroup:
     """The engine contract over N EngineActors placed in one placement group (a bundle each).
 
@@ -40,10 +54,13 @@ class EngineGroup:
     limit); an engine over it is treated as dead (killed, restarted, its part regenerated).
     publish_timeout_s: the same for a publication (the restarted engine gets the committed policy,
     then the publication again).
-    health_timeout_s: the same for a health check. ready_timeout_s: placement group, engine start
-    and the committed policy's re-delivery to a restarted engine.
-    actor: the Ray actor class of the engines (tests pass a subclass of EngineProcess with
-    debug hooks).
+    health_timeout_s: the same for a health check. ready_timeout_s: engine start and the committed
+    policy's re-delivery to a restarted engine. placement_timeout_s: a node with room for the
+    bundles (at start) or for a restarted engine's bundle (its node lost: Ray re-places the bundle
+    when a node can take it); past it EngineFailedError, never retried.
+    engine_process: the engines' process class (EngineProcess, or a subclass).
+    The committed version is the ReplayChain the publisher (the trainer's client) hands over
+    with each publication; a restarted engine replays it.
     """
 
     def __init__(
@@ -57,36 +74,54 @@ class EngineGroup:
         publish_timeout_s: float | None = 600.0,
         health_timeout_s: float = 120.0,
         ready_timeout_s: float = 1800.0,
-        actor=EngineActor,
+        placement_timeout_s: float = 300.0,
+        engine_process: type[EngineProcess] = EngineProcess,
     ):
         self.spec = spec
-        self.actor = actor
+        self.actor = engine_actor(engine_process)
         self.bundle = dict(bundle)
         self.max_restarts_per_call = max_restarts_per_call
         self.generate_timeout_s = generate_timeout_s
         self.publish_timeout_s = publish_timeout_s
         self.health_timeout_s = health_timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.placement_timeout_s = placement_timeout_s
         self.restarts = 0
         self.start_seconds: list[float] = []
-        # the publications (manifest dict, chunks, transport) a new engine replays to serve the
-        # committed version: the last full one and the deltas since
-        self._chain: list[tuple] = []
-        self._version: int | None = None
+        self.chain = ReplayChain()  # the committed version, as its publisher's client has it
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            ray.get(self.pg.ready(), timeout=placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self.pg)
             raise EngineFailedError(
-                f"placement group of {num_engines} x {bundle} not ready after {ready_timeout_s}s "
-                f"(cluster resources: {ray.cluster_resources()})"
+                f"no room for {num_engines} engine(s) of {bundle} after {placement_timeout_s:g}s "
+                f"(cluster resources: {ray.cluster_resources()}); add a node and rerun to resume"
             ) from None
         self.handles = [self._spawn(i) for i in range(num_engines)]
         infos = self._gather({i: h.info.remote() for i, h in enumerate(self.handles)})
         self.start_seconds = [infos[i]["start_seconds"] for i in range(num_engines)]
 
     # ---- actors ----
+    def _await_bundle(self, index: int, deadline: float) -> None:
+        """Until bundle `index` is placed on a live node (after its node was lost, Ray re-places
+        it once a node has room); EngineFailedError at `deadline` (time.monotonic)."""
+        from ray.util.placement_group import placement_group_table
+
+        while True:
+            table = placement_group_table(self.pg)
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            node = table.get("bundles_to_node_id", {}).get(index)
+            if table.get("state") == "CREATED" and node in alive:
+                return
+            if time.monotonic() >= deadline:
+                raise EngineFailedError(
+                    f"engine {index}: no node has room for its bundle {self.bundle} after "
+                    f"{self.placement_timeout_s:g}s (its node was lost); add a node and rerun "
+                    "to resume from the last checkpoint"
+                )
+            time.sleep(0.5)
+
     def _spawn(self, index: int):
         resources = dict(self.bundle)
         options = dict(
@@ -118,10 +153,23 @@ class EngineGroup:
             ray.kill(old, no_restart=True)
         except Exception:  # already gone
             pass
-        self.handles[index] = handle = self._spawn(index)
-        ray.get(handle.info.remote(), timeout=self.ready_timeout_s)
-        for publication in self._chain:
-            ray.get(handle.publish.remote(*publication), timeout=self.ready_timeout_s)
+        deadline = time.monotonic() + self.placement_timeout_s
+        while True:
+            self._await_bundle(index, deadline)
+            self.handles[index] = handle = self._spawn(index)
+            try:
+                ray.get(handle.info.remote(), timeout=self.ready_timeout_s)
+                break
+            except RayActorError as err:
+                # placed on a node that was dying but not yet declared dead: Ray re-places the
+                # bundle once it is (or no node has room: _await_bundle says so). Any other
+                # death of a new engine is the caller's to count.
+                node_lost = isinstance(err, ActorUnavailableError) or "node has died" in str(err)
+                if not node_lost or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+        for publication in self.chain:
+            ray.get(handle.publish.remote(publication), timeout=self.ready_timeout_s)
         self.restarts += int(count)
         logger.warning(
             "engine %d %s: restarted in %.1fs (restart #%d, serving version %s)",
@@ -129,7 +177,7 @@ class EngineGroup:
             reason,
             time.perf_counter() - start,
             self.restarts,
-            self._version,
+            self.version,
         )
 
     def _run(
@@ -232,31 +280,22 @@ class EngineGroup:
     # ---- the engine contract ----
     @property
     def version(self) -> int | None:
-        return self._version
+        return self.chain.version
 
     def expected_specs(self) -> dict:
         return ray.get(self.handles[0].expected_specs.remote())
 
-    def publish_chunks(
-        self,
-        manifest: dict,
-        chunks: list,
-        transport: str,
-        count: int | None = None,
-        digest: str | None = None,
-        replay: tuple | None = None,
-    ) -> list[PublishStats]:
-        """Run the transaction on every engine; commit only if all of them committed. An engine
-        that dies (or hangs) inside it is restarted on the committed policy and sent the
-        publication again, so every engine ends on the new version; if that fails too (restart
-        limit), or an engine refuses, the engines that committed are restarted on the previous
-        version: all of them end on one version, the one `version` names. `replay`: a full
-        publication (manifest dict, chunks, transport) of the same version that engines started
-        later replay instead of the chain so far (the publisher rebases the chain; not sent)."""
-        args = (manifest, chunks, transport, count, digest)
+    def publish(self, publication: Publication, chain: ReplayChain) -> list[PublishStats]:
+        """Run the transaction on every engine; commit only if all of them committed, and then
+        serve `chain` (the committed version once `publication` commits, as its publisher
+        chains it). An engine that dies (or hangs) inside it is restarted on the committed
+        policy and sent the publication again, so every engine ends on the new version; if that
+        fails too (restart limit), or an engine refuses, the engines that committed are
+        restarted on the previous version: all of them end on one version, the one `version`
+        names."""
         try:
             results = self._run(
-                lambda i, h: h.publish.remote(*args),
+                lambda i, h: h.publish.remote(publication),
                 range(len(self.handles)),
                 timeout_s=self.publish_timeout_s,
             )
@@ -274,14 +313,13 @@ class EngineGroup:
             if isinstance(err, PublicationError):
                 raise PublicationError(f"engine {i} refused: {error_text(err)}")
             raise err
-        if replay is not None:
-            self._chain = [tuple(replay)]
-        elif manifest.get("base_version") is None:  # count / digest: the manifest's (they matched)
-            self._chain = [args[:3]]
-        else:
-            self._chain.append(args[:3])
-        self._version = int(manifest["version"])
+        self.chain = chain
         return [results[i] for i in range(len(self.handles))]
+
+    def serve(self, chain: ReplayChain) -> None:
+        """Serve `chain`'s version on every engine (a new group: its publications in turn)."""
+        for n, publication in enumerate(chain, start=1):
+            self.publish(publication, ReplayChain(chain.publications[:n]))
 
     def _roll_back(self) -> None:
         """After a publication failed part-way: every engine that does not serve the committed
@@ -293,7 +331,7 @@ class EngineGroup:
         for i in range(len(self.handles)):
             try:
                 version, _ = ray.get(self.handles[i].health.remote(), timeout=wait)
-                if version == self._version:
+                if version == self.version:
                     continue
                 reason, count = "committed a publication that failed on another engine", False
             except RayActorError:
@@ -301,19 +339,6 @@ class EngineGroup:
             except GetTimeoutError:
                 reason, count = f"did not answer in {wait:g}s after a failed publication", True
             self.restart(i, reason=reason, count=count)
-
-    def publish(
-        self, tensors: Iterable[tuple[str, np.ndarray]], version: int, bucket_bytes: int = 64 << 20
-    ) -> PublishStats:
-        """The engine contract's publish: HF-named tensors, shipped through the object store."""
-        start = time.perf_counter()
-        items = [(name, np.asarray(value)) for name, value in tensors]
-        manifest = Manifest.build(version, items)
-        refs = [ray.put(np.frombuffer(c, np.uint8)) for c in iter_chunks(items, bucket_bytes)]
-        self.publish_chunks(manifest.to_dict(), refs, "object_store")
-        return PublishStats(
-            version, manifest.count, manifest.total_bytes, time.perf_counter() - start
-        )
 
     def generate(self, requests: list[PromptRequest], sampling: SamplingConfig) -> list[Sample]:
         parts = [

@@ -8,16 +8,15 @@ import time
 
 import ray
 
-from jaxloop.rollout.ray.actor import EngineActor, EngineSpec, configure_actor_logging
+from jaxloop.rollout.ray.actor import EngineProcess, EngineSpec, configure_actor_logging
 from jaxloop.rollout.ray.group import EngineGroup
+from jaxloop.rollout.ray.transport import Publication, ReplayChain
 from jaxloop.rollout.types import PublishStats, Sample
 
 
 class RolloutManagerProcess:
     """Owns the RolloutProducer (data cursor, seeds, rewards) and the EngineGroup
-    (RolloutManager: this class as a Ray actor)."""
-
-    engine_actor = EngineActor  # the engines' actor class (tests: one with debug hooks)
+    (RolloutManager: this class as a Ray actor). `engine_process`: the engines' process class."""
 
     def __init__(
         self,
@@ -27,6 +26,8 @@ class RolloutManagerProcess:
         bundle: dict[str, float],
         engine_timeout_s: float = 600.0,
         publish_timeout_s: float = 600.0,
+        placement_timeout_s: float = 300.0,
+        engine_process: type[EngineProcess] = EngineProcess,
     ):
         from jaxloop.rollout.producer import RolloutProducer
 
@@ -40,7 +41,8 @@ class RolloutManagerProcess:
             generate_timeout_s=engine_timeout_s,
             publish_timeout_s=publish_timeout_s,
             health_timeout_s=min(120.0, engine_timeout_s),
-            actor=self.engine_actor,
+            placement_timeout_s=placement_timeout_s,
+            engine_process=engine_process,
         )
         self.producer = RolloutProducer(settings, self.group)
         self.start_seconds = time.perf_counter() - start
@@ -60,10 +62,11 @@ class RolloutManagerProcess:
     def expected_specs(self) -> dict:
         return self.group.expected_specs()
 
-    def publish(
-        self, manifest, chunks, transport, count=None, digest=None, replay=None
-    ) -> list[PublishStats]:
-        return self.group.publish_chunks(manifest, chunks, transport, count, digest, replay)
+    def publish(self, publication: Publication, chain: ReplayChain) -> list[PublishStats]:
+        return self.group.publish(publication, chain)
+
+    def serve(self, chain: ReplayChain) -> None:
+        self.group.serve(chain)
 
     def version(self) -> int | None:
         return self.group.version
@@ -101,4 +104,7 @@ class RolloutManagerProcess:
         self.group.close()
 
 
-RolloutManager = ray.remote(max_restarts=0)(RolloutManagerProcess)
+def manager_actor(process: type[RolloutManagerProcess] = RolloutManagerProcess):
+    """`process` (RolloutManagerProcess or a subclass) as a Ray actor class, never restarted by
+    Ray (the client replaces a dead manager itself)."""
+    return ray.remote(max_restarts=0)(process)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from jaxloop.rollout.api import PublicationError
-from jaxloop.rollout.publication import Manifest, PublicationReceiver
+from jaxloop.rollout.publication.transaction import Manifest, PublicationReceiver
 from jaxloop.rollout.types import EARLY_EXIT_MODES
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -35,7 +35,7 @@ from jaxloop.families.tables import HFTensor
 from jaxloop.io.hf_walk import expected_hf_shape, hf_entries, hf_view
 from jaxloop.mathutil import round_up
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.publication import _tensor_sha256  # the digest tensor_hashes uses
+from jaxloop.rollout.publication.transaction import _tensor_sha256  # the digest tensor_hashes uses
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "numpy", "torch", "torch_pinned")
@@ -199,13 +199,15 @@ class HostStaging:
 
     # ---- staging ----
     def stage(self, policy: Policy, dtypes: Mapping[str, str] | None = None) -> StagedPolicy:
-        """The policy's HF tensors (views of the reused buffers) and their sha256 hashes."""
+        """The policy's HF tensors (views of the reused buffers) and their sha256 hashes. A
+        parameter sharded over several processes is gathered bucket by bucket (a collective:
+        every other process runs `gather` of the same policy meanwhile)."""
         from flax import nnx
 
         start = time.perf_counter()
         flat = dict(nnx.to_flat_state(policy.params))
         table = hf_entries(policy.config, "actor")
-        device = next(iter(flat[table[0].path][...].devices()))
+        device = _local_device(flat[table[0].path][...])
         backend = self._resolve_backend(device)
         buckets = self._plan(flat, table, dtypes or {})
         key = (backend, tuple((s.name, s.shape, s.dtype.str, s.offset) for b in buckets for s in b))
@@ -214,23 +216,13 @@ class HostStaging:
             self._layout_key = None  # a failed allocation leaves nothing half-built in use
             self._allocate(buckets, backend)
             self._layout_key = key
-        device_cast = {
-            (s.source_dtype, s.dtype): self.cast_on_device is not False
-            and device_cast_is_exact(s.source_dtype, s.dtype, device)
-            for b in buckets
-            for s in b
-            if s.source_dtype != s.dtype
-        }
+        device_cast = self._device_casts(buckets, device)
         t_setup = time.perf_counter()
         tensors: list[tuple[str, np.ndarray]] = []
         futures: list[concurrent.futures.Future] = []
         host_casts = 0
         with concurrent.futures.ThreadPoolExecutor(self.hash_workers) as pool:
-            pending = self._prepare(flat, buckets[0], device_cast)
-            for k, bucket in enumerate(buckets):
-                current, pending = pending, None  # device values of bucket k (dispatched)
-                if k + 1 < len(buckets):  # its successor's device work queues meanwhile
-                    pending = self._prepare(flat, buckets[k + 1], device_cast)
+            for k, bucket, current in self._prepared(flat, buckets, device_cast):
                 host_casts += self._copy_bucket(k, bucket, current, backend)
                 del current
                 for slot in bucket:  # hashed while the next bucket copies
@@ -254,6 +246,43 @@ class HostStaging:
         }
         return StagedPolicy(tensors, hashes, stats)
 
+    def gather(self, policy: Policy, dtypes: Mapping[str, str] | None = None) -> None:
+        """What `stage` runs on the devices, in its order, without the host copies and hashes:
+        the part of a publication a process other than the publishing one takes (each of its
+        collectives, the gathers of multi-process parameters, needs every process)."""
+        from flax import nnx
+
+        flat = dict(nnx.to_flat_state(policy.params))
+        table = hf_entries(policy.config, "actor")
+        device = _local_device(flat[table[0].path][...])
+        buckets = self._plan(flat, table, dtypes or {})
+        device_cast = self._device_casts(buckets, device)
+        for _, _, current in self._prepared(flat, buckets, device_cast):
+            for value in current:
+                if not value.is_fully_addressable:
+                    to_host(value)
+
+    def _device_casts(self, buckets: list[list[_Slot]], device) -> dict:
+        return {
+            (s.source_dtype, s.dtype): self.cast_on_device is not False
+            and device_cast_is_exact(s.source_dtype, s.dtype, device)
+            for b in buckets
+            for s in b
+            if s.source_dtype != s.dtype
+        }
+
+    def _prepared(self, flat, buckets: list[list[_Slot]], device_cast: dict):
+        """(k, bucket k, its device values), bucket k + 1's device work dispatched before k is
+        yielded (it queues while k copies); `stage` and `gather` both walk this, so every
+        process runs the same device programs in the same order."""
+        pending = self._prepare(flat, buckets[0], device_cast)
+        for k, bucket in enumerate(buckets):
+            current, pending = pending, None
+            if k + 1 < len(buckets):
+                pending = self._prepare(flat, buckets[k + 1], device_cast)
+            yield k, bucket, current
+            del current
+
     def _prepare(self, flat, bucket: list[_Slot], device_cast: dict) -> list:
         """Dispatch the device work of one bucket: the layer slice, the HF layout (transposes,
         reshapes: exact on any device) and the cast where the device's cast is bitwise numpy's."""
@@ -273,9 +302,11 @@ class HostStaging:
             if slot.nbytes == 0:
                 continue
             dst = self._view(k, slot)
-            if not value.is_fully_addressable:  # config refuses remote engines with many hosts
-                raise ValueError(f"{slot.name}: not all of it is on this process's devices")
-            if np.dtype(value.dtype) != slot.dtype:  # numpy's cast, on the host
+            if not value.is_fully_addressable:  # sharded over processes: gathered (collective)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    np.copyto(dst, to_host(value), casting="unsafe")
+                host_casts += int(np.dtype(value.dtype) != slot.dtype)
+            elif np.dtype(value.dtype) != slot.dtype:  # numpy's cast, on the host
                 with np.errstate(invalid="ignore", over="ignore"):
                     for index, data in _pieces(value):
                         np.copyto(dst[index], np.asarray(data), casting="unsafe")
@@ -302,6 +333,18 @@ class HostStaging:
     def close(self) -> None:
         """Release the buffers (the next stage allocates again)."""
         self._host, self._torch, self._buckets, self._layout_key = [], [], [], None
+
+
+def to_host(value) -> np.ndarray:
+    """The whole of a multi-process array on this host (a collective over the processes)."""
+    from jaxloop.parallel.mesh import to_host as gather
+
+    return gather(value)
+
+
+def _local_device(array):
+    """A device of this process that holds part of `array` (where cast probes run)."""
+    return min(array.sharding.addressable_devices, key=lambda d: d.id)
 
 
 def _pieces(value):
