@@ -88,15 +88,17 @@ def read_run_config(run_dir: str | Path) -> dict:
 
 def run_config(raw: dict, path: Path):
     """The run's config: jaxloop.config's defaults with its config.json over them (keys these
-    defaults lack, from another jaxloop version, are skipped), so evaluation reads every setting
-    as the trainer does."""
-    from jaxloop.config import base_config, flat_items
+    defaults lack, from another jaxloop version, are skipped; an older version's spelling of
+    None is read as None: `upgrade_stored`), so evaluation reads every setting as the trainer
+    does."""
+    from jaxloop.config import base_config, flat_items, upgrade_stored
     from jaxloop.train.checkpoint import flat_json
 
     cfg = base_config()
     known = dict(flat_items(cfg))
+    stored = upgrade_stored(flat_json(raw))
     try:
-        cfg.update_from_flattened_dict({k: v for k, v in flat_json(raw).items() if k in known})
+        cfg.update_from_flattened_dict({k: v for k, v in stored.items() if k in known})
     except (TypeError, ValueError) as err:
         raise EvalUsageError(
             f"{path}: not a jaxloop config ({type(err).__name__}: {err})"

@@ -132,7 +132,7 @@ def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
 
 def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
-    `actor_params` (donated); with `warm_start.stop_at_reward > 0` it stops after the first step
+    `actor_params` (donated); with `warm_start.stop_at_reward` set it stops after the first step
     whose greedy reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
     that value, so the RL run starts from a model that answers partly right, whatever the seed.
     Returns the warm-started actor parameters and the metrics of the warm start (steps run,
@@ -160,7 +160,7 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     data_cfg = {**producer.settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
     data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
     probe = None
-    if ws.stop_at_reward > 0:
+    if ws.stop_at_reward is not None:
         probe = probe_examples(producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
     started = time.perf_counter()
     config = setup.actor_abstract.config
@@ -354,13 +354,13 @@ class SFTRun:
             disable=None if cfg.progress and self.is_main else True,
         )
         skips = 0
-        stop_at = total if cfg.stop_after <= 0 else min(total, self.start + cfg.stop_after)
+        stop_at = total if cfg.stop_after is None else min(total, self.start + cfg.stop_after)
         finished = False
         try:
             for step in range(self.start, stop_at):
                 t0 = time.perf_counter()
                 row = {}
-                if cfg.eval_every and step % cfg.eval_every == 0:
+                if cfg.eval_every is not None and step % cfg.eval_every == 0:
                     row["eval_accuracy"] = self.evaluate()
                 s = self.state
                 params, opt, metrics = self.stepper.step(
@@ -390,7 +390,8 @@ class SFTRun:
                 if self.metrics is not None:
                     self.metrics.write(step, row)
                 bar.step(row)
-                if done == stop_at or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                every = cfg.checkpoint_every
+                if done == stop_at or (every is not None and done % every == 0):
                     self.checkpointer.save(self.state, {"data_cursor": self.data.state()})
             finished = True
         finally:

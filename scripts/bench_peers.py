@@ -85,10 +85,11 @@ WORKLOAD = {
     "micro_batch_size": 64,
     "updates_per_rollout": 1,
     "warm_start.sft_steps": 0,
+    "warm_start.stop_at_reward": None,  # grpo.py's recipe sets it; refused without a warm start
     "rollout.max_new_tokens": 32,
     "rollout.temperature": 1.0,
     "rollout.top_p": 1.0,
-    "rollout.top_k": -1,
+    "rollout.top_k": None,
     "data.task": "reverse",
     "data.num_digits": 8,
     "data.reward": "format",
@@ -106,9 +107,9 @@ WORKLOAD = {
     "model.remat": "none",
     "model.scan_layers": "false",  # the default: layers and loops unrolled
     "learner.seq_multiple": 16,  # the default: rows capped at prompt + max_new_tokens
-    "eval_every": 0,  # 0: one evaluation after the last update, outside its timings
+    "eval_every": None,  # None: one evaluation after the last update, outside its timings
     "eval_prompts": 8,  # (that evaluation: only the process wall time sees it)
-    "checkpoint_every": 0,  # 0: one checkpoint after the last update, outside its timings
+    "checkpoint_every": None,  # None: one checkpoint after the last update, outside its timings
     "progress": "false",
 }
 PEER_SYSTEMS = ("tunix", "tunix_pl16", "trl", "trl_passive")

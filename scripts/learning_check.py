@@ -77,11 +77,11 @@ def warm_overrides(task: str, warm: bool, warm_steps: int) -> list[str]:
     if task == "default":
         return []
     if not warm:
-        return ["--config.warm_start.sft_steps=0", "--config.warm_start.stop_at_reward=0"]
+        return ["--config.warm_start.sft_steps=0", "--config.warm_start.stop_at_reward=None"]
     if warm_steps:
         return [
             f"--config.warm_start.sft_steps={warm_steps}",
-            "--config.warm_start.stop_at_reward=0",
+            "--config.warm_start.stop_at_reward=None",
         ]
     return []
 
@@ -99,7 +99,7 @@ def run_one(algorithm, task, warm, seed, args, extra) -> dict:
         f"--config.run_dir={run_dir}",
         f"--config.seed={seed}",
         "--config.progress=false",
-        "--config.checkpoint_every=0",
+        "--config.checkpoint_every=None",
         *task_overrides(task),
         *warm_overrides(task, warm, args.warm_steps),
         *([f"--config.total_updates={args.updates}"] if args.updates else []),

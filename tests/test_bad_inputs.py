@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxloop.config import DOMAINS, base_config, flat_items, validate
+from jaxloop.config import DOMAINS, TYPES, base_config, flat_items, validate
 from jaxloop.io.hf import read_safetensors, save_hf, write_safetensors
 from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
 from jaxloop.train.checkpoint import resume_changes_math
@@ -250,25 +250,25 @@ CATALOGUE = [
     Row(
         "negative evaluation interval",
         _args("--config.eval_every=-1"),
-        "eval_every must be >= 0",
+        "eval_every must be in [1, 2147483647] or None (got -1)",
         dry=True,
     ),
     Row(
         "negative checkpoint interval",
         _args("--config.checkpoint_every=-5"),
-        "checkpoint_every must be >= 0",
+        "checkpoint_every must be in [1, 2147483647] or None (got -5)",
         dry=True,
     ),
     Row(
         "negative rollout staleness",
         _args("--config.rollout.max_staleness=-1"),
-        "rollout.max_staleness must be >= 0",
+        "rollout.max_staleness must be in [0, 2147483647] (got -1)",
         dry=True,
     ),
     Row(
         "unknown publication mode",
         _args("--config.rollout.publish=sparse"),
-        "rollout.publish='sparse'; expected 'full', 'delta' or 'delta_xor'",
+        "rollout.publish must be one of 'full'/'delta'/'delta_xor' (got 'sparse')",
         dry=True,
     ),
     Row(
@@ -535,7 +535,7 @@ CATALOGUE = [
     Row(
         "unknown loop credit",
         _args("--config.algo.loop_credit=first"),
-        "algo.loop_credit='first'; expected one of last/uniform/progressive/exit_pdf",
+        "algo.loop_credit must be one of 'last'/'uniform'/'progressive'/'exit_pdf' (got 'first')",
         dry=True,
     ),
     Row(
@@ -559,13 +559,13 @@ CATALOGUE = [
     Row(
         "unknown early-exit mode",
         _args("--config.model.family=ouro", "--config.rollout.early_exit=always"),
-        "rollout.early_exit='always'; expected one of none/threshold/sample",
+        "rollout.early_exit must be one of 'none'/'threshold'/'sample' (got 'always')",
         dry=True,
     ),
     Row(
         "exit threshold outside (0, 1]",
         _args("--config.rollout.exit_threshold=1.5"),
-        "rollout.exit_threshold=1.5 must be in (0, 1]",
+        "rollout.exit_threshold must be in (0, 1] (got 1.5)",
         dry=True,
     ),
     Row(
@@ -596,7 +596,7 @@ CATALOGUE = [
             "--config.learner.pack_tokens=64",
             "--config.rollout.early_exit=sample",
         ),
-        "with learner.pack_tokens > 0 is not supported",
+        "with learner.pack_tokens is not supported",
         dry=True,
     ),
 ]
@@ -690,6 +690,45 @@ def test_resume_with_keys_that_do_not_change_the_math(tmp_path, base_run):
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2", "3"]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["update"] for r in rows] == [0, 1, 2]
+
+
+# how jaxloop before typed None keys wrote "off" / "detected" / "the default" in config.json
+LEGACY_SPELLING = {
+    "algo.clip_eps_high": -1.0,
+    "algo.dual_clip": -1.0,
+    "algo.behav_drop_cap": -1.0,
+    "rollout.top_k": -1,
+    "rollout.max_logprob_diff": 0.0,
+    "learner.pack_tokens": 0,
+    "model.logits_chunk": 0,
+    "updates_per_rollout": 0,
+    "stop_after": 0,
+    "dist.num_processes": 0,
+    "dist.process_id": -1,
+}
+
+
+def test_an_older_run_dirs_config_reads_as_todays(tmp_path, base_run, capsys):
+    """A run dir whose config.json spells None as -1 / 0 (an older jaxloop) resumes: its keys of
+    the run's math are read as None (`upgrade_stored`); an ordinary stored number stays one."""
+    from jaxloop.config import upgrade_stored
+
+    assert upgrade_stored(LEGACY_SPELLING) == dict.fromkeys(LEGACY_SPELLING)
+    kept = {"mesh.fsdp": -1, "algo.value_clip": 0.2, "seed": 0, "eval_every": 5, "x.y": -1}
+    assert upgrade_stored(kept) == kept
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    stored = json.loads((run_dir / "config.json").read_text())
+    for key, value in LEGACY_SPELLING.items():
+        section, _, name = key.rpartition(".")
+        (stored[section] if section else stored)[name] = value
+    (run_dir / "config.json").write_text(json.dumps(stored))
+    args = ["--config", f"{ALGO}.py", *BASE, f"--config.run_dir={run_dir}", "--dry-run"]
+    capsys.readouterr()
+    assert main(args) == 0, capsys.readouterr().err
+    assert "resumes at update 2 of 3" in capsys.readouterr().out
+    assert main([*args, "--config.algo.dual_clip=2.0"]) == 2  # None (off) is the run's math
+    assert "was started with algo.dual_clip=None" in capsys.readouterr().err
 
 
 def test_which_keys_change_the_math():
@@ -815,56 +854,53 @@ def test_rerun_over_files_without_config_is_refused(tmp_path, capsys):
 def test_restart_of_the_same_run_before_its_first_checkpoint(tmp_path, capsys):
     """Its own files (the same config.json, no checkpoint yet): the run starts again."""
     run_dir = tmp_path / "run"
-    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=0")) == 0
+    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=None")) == 0
     shutil.rmtree(run_dir / "checkpoints")
-    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=0")) == 0
+    assert main(_argv(run_dir, "--config.total_updates=1", "--config.checkpoint_every=None")) == 0
     assert [r["update"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))] == [0]
 
 
-# ---- value domains: every key's, declared once (jaxloop.config.DOMAINS) ----
+# ---- value domains: every key's, declared once (jaxloop.config.DOMAINS, TYPES) ----
 BASE_VALUES = dict(flat_items(base_config()))
-NUMERIC_KEYS = [
-    k for k, v in BASE_VALUES.items() if isinstance(v, int | float) and not isinstance(v, bool)
-]
-# keys whose 0 means something (README "Bad input"; --help says what); all others refuse it
+NUMERIC_KEYS = [k for k, t in TYPES.items() if t.base in (int, float)]
+# keys whose 0 is an ordinary value (README "Bad input"); all others refuse it
 ACCEPTS_ZERO = {
     "seed",
-    "stop_after",  # off
-    "updates_per_rollout",  # the algorithm's default
-    "checkpoint_every",  # only after the last update
-    "eval_every",  # only after the last update
-    "model.logits_chunk",  # the whole sequence
-    "rollout.max_logprob_diff",  # the default bound
     "rollout.max_staleness",  # synchronous
     "optim.warmup_steps",
     "optim.weight_decay",
     "optim.b1",
     "optim.b2",
-    "optim.grad_clip",  # off
-    "learner.pack_tokens",  # off
     "critic.warmup_updates",
     "algo.kl_coef",  # no reference model
     "algo.behav_weight_min",
     "algo.flow_delta",
     "algo.gamma",
     "algo.lam",
-    "algo.entropy_coef",  # off
-    "dist.num_processes",  # one, or detected
-    "dist.process_id",
+    "algo.entropy_coef",  # no bonus
+    "dist.process_id",  # the first process
     "warm_start.sft_steps",  # no warm start
-    "warm_start.stop_at_reward",  # off: every warm-start step runs
 }
-# keys whose -1 means something: off, or (mesh) the remaining devices, (dist) detected
-ACCEPTS_MINUS_ONE = {
-    "rollout.top_k",
-    "algo.clip_eps_high",
-    "algo.dual_clip",
-    "algo.behav_drop_cap",
-    "algo.value_clip",
-    "mesh.data",
-    "mesh.fsdp",
-    "mesh.tensor",
-    "dist.process_id",
+# keys whose -1 means something: the remaining devices
+ACCEPTS_MINUS_ONE = {"mesh.data", "mesh.fsdp", "mesh.tensor"}
+# keys that may be None: off, detected, or a default the help text names (never a number)
+ACCEPTS_NONE = {
+    "stop_after",  # off
+    "updates_per_rollout",  # the algorithm's default
+    "checkpoint_every",  # only after the last update
+    "eval_every",  # only after the last update
+    "model.logits_chunk",  # the whole sequence
+    "rollout.top_k",  # off
+    "rollout.max_logprob_diff",  # the engine's default bound
+    "optim.grad_clip",  # off
+    "learner.pack_tokens",  # padded
+    "algo.clip_eps_high",  # clip_eps
+    "algo.dual_clip",  # off
+    "algo.behav_drop_cap",  # off
+    "algo.value_clip",  # off
+    "dist.num_processes",  # one, or detected
+    "dist.process_id",  # detected
+    "warm_start.stop_at_reward",  # every warm-start step
 }
 # in-domain values another rule refuses in this setting (the default mesh already has fsdp=-1)
 CROSS_KEY_REFUSALS = {("mesh.data", "-1"), ("mesh.tensor", "-1")}
@@ -880,6 +916,8 @@ def test_every_key_has_a_domain():
     validate(base)  # the defaults are in their domains
     assert {k for k in NUMERIC_KEYS if DOMAINS[k].contains(0)} == ACCEPTS_ZERO
     assert {k for k in NUMERIC_KEYS if DOMAINS[k].contains(-1)} == ACCEPTS_MINUS_ONE
+    assert {k for k, t in TYPES.items() if t.optional} == ACCEPTS_NONE
+    assert {k for k in DOMAINS if DOMAINS[k].contains(None)} == ACCEPTS_NONE
     # the choices agree with the modules that implement them
     from jaxloop.data.tasks import TASKS
     from jaxloop.models.presets import FULL_SIZE
@@ -911,13 +949,18 @@ def _dry(key: str, value: str, tmp_path, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("key", NUMERIC_KEYS)
 def test_value_domain(key, tmp_path, capsys):
     """For every numeric key: NaN, inf, huge, wrong type are refused (one line naming the key,
-    exit 2, nothing written); 0 and -1 are refused unless the key gives them a meaning."""
-    kind = type(BASE_VALUES[key])
+    exit 2, nothing written); 0 and -1 are refused unless the key gives them a meaning, None
+    unless the key's type takes it."""
+    kind = TYPES[key].base
     huge = [str(int(DOMAINS[key].hi) + 1)] if kind is int else []
     for value in ALWAYS_BAD[kind] + huge:
         code, line = _dry(key, value, tmp_path, capsys)
         assert code == 2 and key in line, (key, value, line)
-    for value, accepted in (("0", key in ACCEPTS_ZERO), ("-1", key in ACCEPTS_MINUS_ONE)):
+    for value, accepted in (
+        ("0", key in ACCEPTS_ZERO),
+        ("-1", key in ACCEPTS_MINUS_ONE),
+        ("None", key in ACCEPTS_NONE),
+    ):
         code, line = _dry(key, value, tmp_path, capsys)
         if not accepted:
             assert code == 2 and key in line, (key, value, line)

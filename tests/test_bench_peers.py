@@ -1,5 +1,6 @@
 """scripts/bench_peers.py's pure parts (no peer, no jaxloop run): arguments, the rotated order,
-the command lines, and the medians, ratios and JSON line from synthetic per-update records."""
+the command lines (the jaxloop one through the trainer's dry run), and the medians, ratios and
+JSON line from synthetic per-update records."""
 
 import importlib.util
 import json
@@ -19,6 +20,15 @@ def bp():
     spec.loader.exec_module(module)
     yield module
     sys.modules.pop("bench_peers", None)
+
+
+@pytest.mark.parametrize("model", ["A", "B"])
+def test_jaxloop_command_line_is_a_valid_run(bp, model, tmp_path, capsys):
+    """The benchmark's jaxloop command passes the trainer's own checks (a dry run)."""
+    from jaxloop.train.cli import main
+
+    args = bp.jaxloop_train_args(model, 3, [], str(tmp_path / "run"))
+    assert main([*args, "--dry-run"]) == 0, capsys.readouterr().err
 
 
 def test_defaults(bp, monkeypatch):
@@ -68,8 +78,8 @@ def test_variants_and_jaxloop_args(bp):
         "--config.data.num_digits=8",
         "--config.data.reward=format",
         "--config.rollout.max_new_tokens=32",
-        "--config.eval_every=0",
-        "--config.checkpoint_every=0",
+        "--config.eval_every=None",
+        "--config.checkpoint_every=None",
         "--config.progress=false",
         "--config.total_updates=14",
         "--config.run_dir=RUN",

@@ -33,12 +33,14 @@ from jaxloop.config.schema import (
     DOMAINS,
     RESUME_FREE_KEYS,
     SECTIONS,
+    TYPES,
     RunConfig,
     base_config,
     default_logprob_diff,
     flat_items,
     run_config,
     schema_keys,
+    upgrade_stored,
 )
 from jaxloop.config.validate import (
     LOG_LEVELS,
@@ -86,6 +88,7 @@ __all__ = [
     "RESUME_FREE_KEYS",
     "RunConfig",
     "SECTIONS",
+    "TYPES",
     "USAGE",
     "UsageError",
     "UserCodeError",
@@ -116,6 +119,7 @@ __all__ = [
     "run_config",
     "schema_keys",
     "unit_overrides",
+    "upgrade_stored",
     "validate",
     "validate_mesh",
 ]

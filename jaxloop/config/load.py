@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from jaxloop.config.help import USAGE, format_help
+from jaxloop.config.schema import TYPES
 from jaxloop.config.validate import _missing_keys, validate
 from jaxloop.errors import UsageError, UserCodeError
 
@@ -69,24 +70,28 @@ def _exception_text(err: BaseException) -> str:
 
 
 def _parse_value(raw: str, current: Any, key: str) -> Any:
-    if isinstance(current, bool):
+    """The command line's text as a value of the key's declared type (TYPES; a key the schema
+    does not declare: the type of its current value). `None` (any case) is the value None of a
+    key that takes it."""
+    kind = TYPES.get(key)
+    if kind is not None and kind.optional and raw.strip().lower() == "none":
+        return None
+    base = kind.base if kind is not None else type(current)
+    if base is bool:
         low = raw.lower()
         if low in ("true", "1", "yes"):
             return True
         if low in ("false", "0", "no"):
             return False
         raise UsageError(f"--config.{key}: expected a boolean, got {raw!r}")
-    if isinstance(current, int):
-        try:
-            return int(raw)
-        except ValueError:
-            raise UsageError(f"--config.{key}: expected an integer, got {raw!r}") from None
-    if isinstance(current, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise UsageError(f"--config.{key}: expected a number, got {raw!r}") from None
-    if isinstance(current, str):
+    for number, noun in ((int, "an integer"), (float, "a number")):
+        if base is number:
+            try:
+                return number(raw)
+            except ValueError:
+                also = " or None" if kind is not None and kind.optional else ""
+                raise UsageError(f"--config.{key}: expected {noun}{also}, got {raw!r}") from None
+    if base is str:
         return raw
     try:
         value = ast.literal_eval(raw)

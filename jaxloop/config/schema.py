@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import ml_collections
 
@@ -29,17 +29,22 @@ from jaxloop.rl.settings import (
 from jaxloop.rollout.settings import RolloutSection
 from jaxloop.settings import (
     FREE,
-    NON_NEGATIVE,
     Domain,
+    KeyType,
     count,
+    field_types,
+    key_type,
     knob,
-    one_of,
     positive,
     section,
 )
 
 
-# Engine vs trainer selected log-prob bound when rollout.max_logprob_diff is 0. The embedded
+def _zero(value) -> bool:  # an older jaxloop's "off" (legacy_none)
+    return value == 0
+
+
+# Engine vs trainer selected log-prob bound when rollout.max_logprob_diff is None. The embedded
 # sampler in fp32 (in the trainer or in Ray engine actors) runs the trainer's own model (measured
 # ~5e-7); bf16 compute (measured ~2.4e-3
 # on the tiny model) and vLLM (other kernels) get the bound of the reference PyTorch stack.
@@ -85,21 +90,23 @@ class WarmStartSection:
         ),
         count(0),
     )
-    stop_at_reward: float = knob(
-        0.0,
+    stop_at_reward: float | None = knob(
+        None,
         (
-            ">0: end the warm start after the first step whose greedy mean reward on "
-            "warm_start.probe_prompts train-split prompts reaches this (sft_steps is then the "
-            "most it runs): RL starts from a partly right model whatever the seed; 0: all "
+            "end the warm start after the first step whose greedy mean reward on "
+            "warm_start.probe_prompts validation prompts reaches this (sft_steps is then the "
+            "most it runs): RL starts from a partly right model whatever the seed; None: all "
             "sft_steps"
         ),
-        NON_NEGATIVE,
+        positive(),
+        legacy_none=_zero,
     )
     probe_prompts: int = knob(
         64,
         (
-            "train-split prompts (their own fixed draw, never the held-out ones) the warm "
-            "start's stop_at_reward is measured on, after every step"
+            "validation prompts the warm start's stop_at_reward is measured on after every "
+            "step: held-out prompts past the eval_prompts that evaluations report (where none "
+            "are left: a fixed draw of train prompts)"
         ),
         count(1),
     )
@@ -144,52 +151,56 @@ class RunConfig:
         ),
         count(0),
     )
-    algorithm: str = knob(
-        "flow_dppo", "ppo | grpo | dppo | flow_dppo", one_of("ppo", "grpo", "dppo", "flow_dppo")
+    algorithm: Literal["ppo", "grpo", "dppo", "flow_dppo"] = knob(
+        "flow_dppo", "ppo | grpo | dppo | flow_dppo"
     )
     total_updates: int = knob(
         100, "updates of the whole run (raise it to continue a finished run)", count(1)
     )
-    stop_after: int = knob(
-        0,
-        ">0: stop after this many updates of this process (rerun to resume); 0: off",
-        count(0),
+    stop_after: int | None = knob(
+        None,
+        "stop after this many updates of this process (rerun to resume); None: off",
+        count(1),
         resume=FREE,
+        legacy_none=_zero,
     )
     prompts_per_update: int = knob(32, "prompts per rollout batch", count(1))
     n_samples_per_prompt: int = knob(8, "samples per prompt (one group; grpo needs >= 2)", count(1))
     micro_batch_size: int = knob(
         64, "samples per forward/backward pass (gradients are accumulated)", count(1), resume=FREE
     )
-    updates_per_rollout: int = knob(
-        0,
+    updates_per_rollout: int | None = knob(
+        None,
         (
-            "optimizer steps per rollout batch (its mini-batches); 0: the algorithm's default "
-            "(flow_dppo 2, else 1)"
+            "optimizer steps per rollout batch (its mini-batches); None: the algorithm's "
+            "default (flow_dppo 2, else 1)"
         ),
-        count(0),
+        count(1),
+        legacy_none=_zero,
     )
-    checkpoint_every: int = knob(
+    checkpoint_every: int | None = knob(
         10,
         (
-            "checkpoint every N updates (and after this process's last update); 0: only after "
-            "the last"
+            "checkpoint every N updates (and after this process's last update); None: only "
+            "after the last"
         ),
-        count(0),
+        count(1),
         resume=FREE,
+        legacy_none=_zero,
     )
     # 0 would keep none: a resume would delete every checkpoint
     keep_checkpoints: int = knob(
         2, "checkpoints kept (>= 1; older ones are deleted)", count(1), resume=FREE
     )
-    eval_every: int = knob(
+    eval_every: int | None = knob(
         10,
         (
-            "greedy evaluation on held-out prompts every N updates (and after the last); 0: "
-            "only after the last"
+            "greedy evaluation on held-out prompts every N updates (and after the last); "
+            "None: only after the last"
         ),
-        count(0),
+        count(1),
         resume=FREE,
+        legacy_none=_zero,
     )
     eval_prompts: int = knob(64, "held-out prompts per evaluation", count(1), resume=FREE)
     progress: bool = knob(
@@ -217,8 +228,8 @@ class RunConfig:
     # Device mesh for training and the embedded sampler: ('data', 'fsdp', 'tensor'); -1 takes the
     # remaining devices (at most one axis). Default: every device on fsdp.
     mesh: MeshSection = section(MeshSection)
-    # Many hosts: jax.distributed.initialize. Empty coordinator and num_processes 0 = one process
-    # (or whatever the cluster environment JAX detects says).
+    # Many hosts: jax.distributed.initialize. An empty coordinator = one process (or whatever
+    # the cluster environment JAX detects says).
     dist: DistSection = section(DistSection)
     # supervised fine-tuning: `python -m jaxloop.sft` and the warm start of a training run
     sft: SftSection = section(SftSection)
@@ -229,6 +240,22 @@ class RunConfig:
 def _is_section(field: dataclasses.Field) -> bool:
     factory = field.default_factory
     return factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One key as the schema declares it: the field (default, help, resume policy) and its
+    type, with the domain completed by the type (a Literal's choices, None when optional)."""
+
+    field: dataclasses.Field
+    type: KeyType
+
+    @property
+    def domain(self) -> Domain:
+        domain = self.field.metadata["domain"]
+        if self.type.choices:
+            domain = dataclasses.replace(domain, choices=self.type.choices)
+        return dataclasses.replace(domain, optional=self.type.optional)
 
 
 def schema_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
@@ -242,16 +269,40 @@ def schema_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, data
     return out
 
 
+def _keys(cls: type = RunConfig, prefix: str = "") -> dict[str, Key]:
+    hints, out = field_types(cls), {}
+    for field in dataclasses.fields(cls):
+        if _is_section(field):
+            out.update(_keys(field.default_factory, f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = Key(field, key_type(hints[field.name]))
+    return out
+
+
 def _heading(cls: type) -> str:
     return " ".join(inspect.cleandoc(cls.__doc__ or "").split())
 
 
+KEYS: dict[str, Key] = _keys()
 SECTIONS = {"": "the run"} | {
     f.name: _heading(f.default_factory) for f in dataclasses.fields(RunConfig) if _is_section(f)
 }
-DESCRIPTIONS = {key: f.metadata["help"] for key, f in schema_keys()}
-DOMAINS: dict[str, Domain] = {key: f.metadata["domain"] for key, f in schema_keys()}
-RESUME_FREE_KEYS = frozenset(key for key, f in schema_keys() if f.metadata["resume"] == FREE)
+DESCRIPTIONS = {key: k.field.metadata["help"] for key, k in KEYS.items()}
+DOMAINS: dict[str, Domain] = {key: k.domain for key, k in KEYS.items()}
+TYPES: dict[str, KeyType] = {key: k.type for key, k in KEYS.items()}
+RESUME_FREE_KEYS = frozenset(key for key, k in KEYS.items() if k.field.metadata["resume"] == FREE)
+
+
+def upgrade_stored(flat: dict[str, Any]) -> dict[str, Any]:
+    """A run dir's stored config (flattened config.json) in today's spelling: a value an older
+    jaxloop wrote for "off" / "detected" / "the default" (-1, 0: the knob's `legacy_none`) is
+    None, as this version writes it."""
+    out = dict(flat)
+    for key, value in flat.items():
+        legacy = KEYS[key].field.metadata["legacy_none"] if key in KEYS else None
+        if legacy is not None and isinstance(value, int | float) and legacy(value):
+            out[key] = None
+    return out
 
 
 def _tree(obj: Any) -> ml_collections.ConfigDict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxloop.data.tasks import DEFAULT_TASK
-from jaxloop.settings import FREE, Domain, count, knob, one_of
+from jaxloop.data.tasks import DEFAULT_TASK, Task
+from jaxloop.settings import FREE, Domain, count, knob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,21 +26,11 @@ class DataSection:
         ),
         resume=FREE,
     )
-    task: str = knob(
+    task: Task = knob(
         DEFAULT_TASK,
         (
             "built-in task: copy_first | copy_last | max_digit | min_digit | sum_mod10 | "
             "reverse | sort | add (multi-token answers)"
-        ),
-        one_of(
-            "copy_last",
-            "copy_first",
-            "max_digit",
-            "min_digit",
-            "sum_mod10",
-            "reverse",
-            "sort",
-            "add",
         ),
     )
     num_digits: int = knob(4, "built-in task: digits per prompt", count(1))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -33,12 +34,16 @@ __all__ = [
     "MULTI_TOKEN_TASKS",
     "SPLITS",
     "TASKS",
+    "Task",
     "BuiltinTask",
     "prompt_split",
 ]
 
+Task = Literal[
+    "copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10", "reverse", "sort", "add"
+]
+TASKS: tuple[str, ...] = get_args(Task)
 MULTI_TOKEN_TASKS = ("reverse", "sort", "add")
-TASKS = ("copy_last", "copy_first", "max_digit", "min_digit", "sum_mod10", *MULTI_TOKEN_TASKS)
 DEFAULT_TASK = "copy_first"  # the default job's task (jaxloop.config takes it from here)
 SPLITS = ("train", "eval")
 EVAL_FRACTION = 10  # 1 prompt in EVAL_FRACTION is held out for eval

@@ -4,8 +4,11 @@ default, help, domain and resume policy are declared here, once)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-from jaxloop.settings import FREE, count, knob, one_of, positive
+from jaxloop.settings import FREE, count, knob, positive
+
+Dtype = Literal["float32", "bfloat16"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,18 +23,15 @@ class ModelSection:
     init_checkpoint: str = knob(
         "", "start from a run dir written by `conversion.from_hf`", resume=FREE
     )
-    preset: str = knob(
+    preset: Literal["", "nanbeige-3b", "ouro-1.4b"] = knob(
         "",
         (
             "a released model's shape with random weights (nanbeige-3b, ouro-1.4b; empty: the "
             "tiny keys below); hf_dir / init_checkpoint take precedence"
         ),
-        one_of("", "nanbeige-3b", "ouro-1.4b"),
     )
-    family: str = knob(
-        "nanbeige",
-        "built-in model: nanbeige (pre-norm) | ouro (sandwich norm, exit gate)",
-        one_of("nanbeige", "ouro"),
+    family: Literal["nanbeige", "ouro"] = knob(
+        "nanbeige", "built-in model: nanbeige (pre-norm) | ouro (sandwich norm, exit gate)"
     )
     vocab_size: int = knob(
         64, "built-in model: vocabulary size (the char tokenizer uses it)", count(1)
@@ -54,29 +54,23 @@ class ModelSection:
         2, "built-in model: loops over the layer stack (ouro: total_ut_steps)", count(1)
     )
     rope_theta: float = knob(10000.0, "built-in model: RoPE base", positive())
-    param_dtype: str = knob(
-        "float32", "parameter dtype: float32 | bfloat16", one_of("float32", "bfloat16")
+    param_dtype: Dtype = knob("float32", "parameter dtype: float32 | bfloat16")
+    compute_dtype: Dtype = knob("float32", "compute dtype: float32 | bfloat16")
+    remat: Literal["none", "full", "dots"] = knob(
+        "none", "activation rematerialisation: none | full | dots", resume=FREE
     )
-    compute_dtype: str = knob(
-        "float32", "compute dtype: float32 | bfloat16", one_of("float32", "bfloat16")
+    attention_impl: Literal["xla", "cudnn"] = knob(
+        "xla", "attention kernel: xla | cudnn (GPU)", resume=FREE
     )
-    remat: str = knob(
-        "none",
-        "activation rematerialisation: none | full | dots",
-        one_of("none", "full", "dots"),
-        resume=FREE,
-    )
-    attention_impl: str = knob(
-        "xla", "attention kernel: xla | cudnn (GPU)", one_of("xla", "cudnn"), resume=FREE
-    )
-    logits_chunk: int = knob(
-        0,
+    logits_chunk: int | None = knob(
+        None,
         (
-            "sequence positions per LM-head chunk in the learner (0: whole sequence); bounds "
-            "the [B, chunk, V] logits held at once"
+            "sequence positions per LM-head chunk in the learner (None: the whole sequence); "
+            "bounds the [B, chunk, V] logits held at once"
         ),
-        count(0),
+        count(1),
         resume=FREE,
+        legacy_none=lambda value: value == 0,
     )
     scan_layers: bool = knob(
         False,

@@ -38,9 +38,17 @@ class DistSection:
         "coordinator HOST:PORT; empty: one process (or what the cluster environment says)",
         resume=FREE,
     )
-    num_processes: int = knob(
-        0, "processes in the job (0: one, or detected)", count(0), resume=FREE
+    num_processes: int | None = knob(
+        None,
+        "processes in the job (None: one, or what the cluster environment says)",
+        count(1),
+        resume=FREE,
+        legacy_none=lambda value: value == 0,
     )
-    process_id: int = knob(
-        -1, "this process's index (-1: detected)", count(0, also=(-1,)), resume=FREE
+    process_id: int | None = knob(
+        None,
+        "this process's index (None: detected)",
+        count(0),
+        resume=FREE,
+        legacy_none=lambda value: value == -1,
     )

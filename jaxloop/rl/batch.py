@@ -198,7 +198,7 @@ class RolloutBatch:
 
     def with_length(self, seq: int) -> RolloutBatch:
         """The same samples in rows of exactly `seq` tokens (padding columns added or removed;
-        learner.pack_tokens > 0 gives every batch one shape). A real token never is cut."""
+        learner.pack_tokens gives every batch one shape). A real token never is cut."""
         if self.attention_mask[:, seq:].any():
             longest = int(self.attention_mask.sum(axis=1).max())
             raise ValueError(f"a sample of {longest} tokens does not fit {seq} tokens")

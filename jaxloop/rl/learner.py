@@ -59,9 +59,10 @@ class LearnerConfig:
     updates_per_rollout: int
     critic_steps: int
     advantage: adv_lib.AdvantageHParams = adv_lib.AdvantageHParams()
-    logits_chunk: int = 0  # positions per LM-head chunk (0: the whole sequence)
-    # > 0: each micro-batch's samples packed into rows of this many tokens (jaxloop.rl.packing)
-    pack_tokens: int = 0
+    logits_chunk: int | None = None  # positions per LM-head chunk (None: the whole sequence)
+    # each micro-batch's samples packed into rows of this many tokens (jaxloop.rl.packing);
+    # None: padded to the longest
+    pack_tokens: int | None = None
     loop_credit: str = "last"  # the policy loss over loops (LOOP_CREDITS; last: the last loop)
 
 
@@ -174,7 +175,7 @@ class Learner:
         """Host arrays -> device arrays, sample axis over the data-parallel mesh axes; with
         packing, plus the packed rows of both micro-batch layouts (`microbatch.pack_plan`)."""
         cfg = self.cfg
-        if cfg.pack_tokens > 0:
+        if cfg.pack_tokens is not None:
             if batch.depths is not None:
                 raise ValueError("packed rows carry no per-token depths (early-exit rollouts)")
             micro, steps = cfg.micro_batch_size, cfg.updates_per_rollout
@@ -292,7 +293,7 @@ class Learner:
         """The per-sample ([N, ...]) model inputs of `batch` plus `fields`: tokens and attention
         mask (and an early-exit rollout's depths and exit mask), or with packing the index into
         `packed`'s rows (the rows themselves are split by `split_rows`)."""
-        if self.cfg.pack_tokens > 0:
+        if self.cfg.pack_tokens is not None:
             rows_index = PackedRows(None, None, None, None, packed.index)
             return MicroBatch(rows=rows_index, **fields)
         return MicroBatch(
@@ -306,7 +307,7 @@ class Learner:
     def _split_inputs(self, batch: TrainBatch, per_sample: MicroBatch) -> MicroBatch:
         """`split_micro` of per-sample fields plus, with packing, the micro-batches' rows."""
         parts = mb.split_micro(per_sample, self.cfg.micro_batch_size)
-        if self.cfg.pack_tokens > 0:
+        if self.cfg.pack_tokens is not None:
             index = parts.rows.index
             parts = parts.replace(rows=mb.split_rows(batch.pack, index.shape[:1], index))
         return parts
@@ -500,9 +501,8 @@ class Learner:
             return shd.constrain(x, mb.micro_axes(x, 2))
 
         parts = jax.tree.map(gather, fields)
-        if (
-            cfg.pack_tokens > 0
-        ):  # index n (an empty slot) gathered an all-zero index row: it reads 0
+        if cfg.pack_tokens is not None:
+            # index n (an empty slot) gathered an all-zero index row: it reads 0
             index = parts.rows.index
             parts = parts.replace(rows=mb.split_rows(batch.step_pack, (plan.shape[0], k), index))
         # pi_old (Flow-DPPO): the actor parameters this update received, frozen for its steps

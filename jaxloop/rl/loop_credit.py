@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jaxloop.rl.settings import LOOP_CREDITS
+
 if TYPE_CHECKING:  # jaxloop.config reads LOOP_CREDITS from here: importing it loads no jax
     import jax
 
@@ -13,8 +15,7 @@ if TYPE_CHECKING:  # jaxloop.config reads LOOP_CREDITS from here: importing it l
     from jaxloop.rl.microbatch import MicroBatch
     from jaxloop.rl.stats import LoopStats
 
-# last: the loss of the last loop alone (the engine samples from it); the others weigh every loop
-LOOP_CREDITS = ("last", "uniform", "progressive", "exit_pdf")
+__all__ = ["LOOP_CREDITS", "loop_weights", "per_loop_policy_loss"]
 
 
 def loop_weights(credit: str, num_loops: int, exit_probs: jax.Array | None = None) -> jax.Array:

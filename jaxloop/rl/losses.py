@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxloop.registry import Registry
+from jaxloop.rl.settings import KlEstimator, Reduction
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -41,8 +43,8 @@ __all__ = [
     "value_loss",
 ]
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-REDUCTIONS = ("seq_mean_token_mean", "token_mean")
+KL_ESTIMATORS: tuple[str, ...] = get_args(KlEstimator)
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 
 
 @struct.dataclass

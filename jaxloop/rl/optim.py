@@ -14,7 +14,7 @@ def make_optimizer(
     weight_decay: float,
     b1: float,
     b2: float,
-    grad_clip: float,
+    grad_clip: float | None,
 ):
     total_steps = max(total_steps, 1)
     if schedule == "constant":
@@ -35,5 +35,5 @@ def make_optimizer(
         opt = optax.sgd(sched, momentum=None)
     else:
         raise ValueError(f"unknown optimizer {name!r}")
-    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+    parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
     return optax.chain(*parts, opt)

@@ -5,27 +5,44 @@ declared here, once)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
-from jaxloop.settings import FREE, NON_NEGATIVE, Domain, count, knob, one_of, positive
+from jaxloop.settings import FLOAT32_MAX, FREE, NON_NEGATIVE, Domain, count, knob, positive
+
+# the choices of the string keys, declared once: the modules that implement them read these
+KlEstimator = Literal["k1", "k2", "k3"]
+Reduction = Literal["seq_mean_token_mean", "token_mean"]
+# last: the loss of the last loop alone (the engine samples from it); the others weigh every loop
+LoopCredit = Literal["last", "uniform", "progressive", "exit_pdf"]
+LOOP_CREDITS: tuple[str, ...] = get_args(LoopCredit)
+
+
+def _below_zero(value) -> bool:  # an older jaxloop's "off" (legacy_none)
+    return value < 0
+
+
+def _zero(value) -> bool:
+    return value == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
     """the actor's optimizer"""
 
-    name: str = knob("adamw", "adamw | sgd (no momentum)", one_of("adamw", "sgd"))
+    name: Literal["adamw", "sgd"] = knob("adamw", "adamw | sgd (no momentum)")
     lr: float = knob(0.001, "actor learning rate (peak)", positive())
-    schedule: str = knob(
-        "constant",
-        "constant | cosine | linear (over total_updates x updates_per_rollout)",
-        one_of("constant", "cosine", "linear"),
+    schedule: Literal["constant", "cosine", "linear"] = knob(
+        "constant", "constant | cosine | linear (over total_updates x updates_per_rollout)"
     )
     warmup_steps: int = knob(0, "linear warm-up steps", count(0))
     weight_decay: float = knob(0.0, "AdamW weight decay", NON_NEGATIVE)
     b1: float = knob(0.9, "Adam beta1", Domain(lo=0, hi=1, open_hi=True))
     b2: float = knob(0.99, "Adam beta2", Domain(lo=0, hi=1, open_hi=True))
-    grad_clip: float = knob(
-        1.0, "global gradient-norm clip of actor and critic (0: off)", NON_NEGATIVE
+    grad_clip: float | None = knob(
+        1.0,
+        "global gradient-norm clip of actor and critic (None: off)",
+        positive(),
+        legacy_none=_zero,
     )
 
     # 0 would stop after any update
@@ -80,13 +97,15 @@ class LearnerSection:
         count(1),
         resume=FREE,
     )
-    pack_tokens: int = knob(
-        0,
+    pack_tokens: int | None = knob(
+        None,
         (
-            "0: pad every sample to the longest; > 0: pack each micro-batch's samples into "
-            "rows of this many tokens (>= data.max_prompt_tokens + rollout.max_new_tokens)"
+            "pack each micro-batch's samples into rows of this many tokens (>= "
+            "data.max_prompt_tokens + rollout.max_new_tokens); None: pad every sample to the "
+            "longest"
         ),
-        count(0),
+        count(1),
+        legacy_none=_zero,
     )
 
 
@@ -120,39 +139,45 @@ class AlgoSection:
     """loss and advantage hyper-parameters"""
 
     clip_eps: float = knob(0.2, "PPO ratio clip (both sides unless clip_eps_high)", positive())
-    clip_eps_high: float = knob(
-        -1.0, "upper ratio clip (clip-higher); <0: clip_eps", positive(off_below_zero=True)
+    clip_eps_high: float | None = knob(
+        None,
+        "upper ratio clip (clip-higher); None: clip_eps",
+        positive(),
+        legacy_none=_below_zero,
     )
-    dual_clip: float = knob(
-        -1.0,
-        "dual-clip bound (> 1) for negative advantages; <0: off",
-        Domain(lo=1, hi=3.4028234663852886e38, open_lo=True, off_below_zero=True),
+    dual_clip: float | None = knob(
+        None,
+        "dual-clip bound (> 1) for negative advantages; None: off",
+        Domain(lo=1, hi=FLOAT32_MAX, open_lo=True),
+        legacy_none=_below_zero,
     )
     kl_coef: float = knob(
         0.0, "grpo: KL-to-reference loss coefficient (0: no reference model)", NON_NEGATIVE
     )
-    kl_estimator: str = knob("k3", "KL estimator: k1 | k2 | k3", one_of("k1", "k2", "k3"))
+    kl_estimator: KlEstimator = knob("k3", "KL estimator: k1 | k2 | k3")
     behav_weight_min: float = knob(
         0.5, "dppo: lower clamp of the behaviour weight exp(prox - behav)", NON_NEGATIVE
     )
     behav_weight_max: float = knob(2.0, "dppo: upper clamp of the behaviour weight", positive())
-    behav_drop_cap: float = knob(
-        -1.0,
+    behav_drop_cap: float | None = knob(
+        None,
         (
-            "dppo: >0: tokens whose behaviour weight exceeds it get weight 0 (instead of the "
-            "clamp); <0: off"
+            "dppo: tokens whose behaviour weight exceeds it get weight 0 (instead of the "
+            "clamp); None: off"
         ),
-        positive(off_below_zero=True),
+        positive(),
+        legacy_none=_below_zero,
     )
     flow_delta: float = knob(
         0.01,
         "flow_dppo: trust region; tokens with D = KL(pi_old || pi) > delta are blocked",
         NON_NEGATIVE,
     )
-    value_clip: float = knob(
+    value_clip: float | None = knob(
         0.2,
-        "critic: clip of the new values around the old ones; <0: off",
-        positive(off_below_zero=True),
+        "critic: clip of the new values around the old ones; None: off",
+        positive(),
+        legacy_none=_below_zero,
     )
     gamma: float = knob(1.0, "GAE discount", count(0, 1))
     lam: float = knob(1.0, "GAE lambda (default 1.0: slime --lambd, verl)", count(0, 1))
@@ -163,19 +188,16 @@ class AlgoSection:
 
     # per-loop credit: the policy loss is sum_t w_t loss_t over loop t's logits (last: the last
     # loop only)
-    loop_credit: str = knob(
+    loop_credit: LoopCredit = knob(
         "last",
         (
             "policy loss over loops, sum_t w_t loss_t of loop t's logits: last (the last loop "
             "only) | uniform (w_t = 1/L) | progressive (w_t ~ t + 1) | exit_pdf (Ouro's exit "
             "distribution per token, no gradient through it; needs the exit gate)"
         ),
-        one_of("last", "uniform", "progressive", "exit_pdf"),
     )
-    reduction: str = knob(
-        "seq_mean_token_mean",
-        "loss reduction: seq_mean_token_mean | token_mean",
-        one_of("seq_mean_token_mean", "token_mean"),
+    reduction: Reduction = knob(
+        "seq_mean_token_mean", "loss reduction: seq_mean_token_mean | token_mean"
     )
     entropy_coef: float = knob(
         0.0,

@@ -108,7 +108,7 @@ def token_stats(
     params,
     inputs: ModelInputs,
     temperature,
-    chunk: int = 0,
+    chunk: int | None = None,
     old_params=None,
     num_loops: int | None = None,
 ) -> tuple:
@@ -116,9 +116,9 @@ def token_stats(
     entropy of that distribution and, with `old_params`, Flow-DPPO's exact full-vocabulary
     D_t = KL(pi_old || pi); plus the LM-head input hidden states [B, T, E].
 
-    chunk > 0: the LM head is applied to `chunk` positions at a time under remat, so only one
+    chunk: the LM head is applied to `chunk` positions at a time under remat, so only one
     chunk's [B, chunk, V] logits exist at once, in the forward and in the backward pass (the
-    gradient recomputes them); chunk = 0 (or >= T): the whole sequence at once.
+    gradient recomputes them); chunk None (or >= T): the whole sequence at once.
 
     depths (early-exit rollouts): each input position runs that many loops (depth replay);
     exit_mask: where it is 1 the gate's log p of the position's exit depth is added to the
@@ -147,7 +147,7 @@ def token_stats(
         return selected, entropy, kl
 
     length = out.hidden.shape[1]
-    if chunk <= 0 or chunk >= length:
+    if chunk is None or chunk >= length:
         selected, entropy, kl = stats(out.hidden, x.targets, old_hidden)
     else:
         n = -(-length // chunk)
@@ -169,7 +169,7 @@ def actor_token_stats(
     tokens,
     attention_mask,
     temperature,
-    chunk=0,
+    chunk=None,
     old_params=None,
     depths=None,
     exit_mask=None,
@@ -219,7 +219,7 @@ def loop_stats(
     params,
     inputs: ModelInputs,
     temperature,
-    chunk: int = 0,
+    chunk: int | None = None,
     old_params=None,
     num_loops: int | None = None,
 ) -> LoopStats:
@@ -227,8 +227,8 @@ def loop_stats(
     the norm that ends loop t (`ModelOutput.loop_hidden`).
 
     Only one loop's logits exist at a time (plus the last loop's, for the KL to it): per chunk of
-    `chunk` positions (chunk <= 0: the whole sequence), each loop's statistics are computed in
-    turn under remat, so the backward pass recomputes them loop by loop as well; with chunk > 0
+    `chunk` positions (chunk None: the whole sequence), each loop's statistics are computed in
+    turn under remat, so the backward pass recomputes them loop by loop as well; with a chunk
     no [B, T, V] array exists, for any loop. num_loops: the loop budget K (L = K; None: all)."""
     x = inputs
 
@@ -260,7 +260,7 @@ def loop_stats(
         return jax.lax.map(per_loop, (h, oh))
 
     length = out.loop_hidden.shape[2]
-    size = length if chunk <= 0 or chunk >= length else chunk
+    size = length if chunk is None or chunk >= length else chunk
     n = -(-length // size)
     body = one_chunk if n == 1 else jax.checkpoint(one_chunk)
     parts = ((out.loop_hidden, 2), (x.targets, 1), (old_hidden, 2))

@@ -33,7 +33,7 @@ class TrainBatch:
     Early-exit rollouts (else None):
       depths [N, T] int32: the loops run at input position t (prompt and padding at full depth).
       exit_mask [N, T] float32: targets whose position's exit was an action (algo.depth_as_action).
-    Packing (learner.pack_tokens > 0; added by `place_batch`, else None):
+    Packing (learner.pack_tokens set; added by `place_batch`, else None):
       pack: the rows of the per-sample passes and the critic (micro-batches of consecutive
         samples).
       step_pack: the rows of each policy step's micro-batches (`microbatch.step_plan`).

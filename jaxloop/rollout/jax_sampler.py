@@ -93,10 +93,10 @@ def process_logits(logits: jax.Array, temperature: float) -> jax.Array:
     return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
-def filter_logprobs(logprobs: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Mask (to -inf) tokens outside top-k and outside the top-p nucleus."""
+def filter_logprobs(logprobs: jax.Array, top_k: int | None, top_p: float) -> jax.Array:
+    """Mask (to -inf) tokens outside top-k (None: off) and outside the top-p nucleus."""
     neg_inf = jnp.finfo(jnp.float32).min
-    if top_k > 0:
+    if top_k is not None:
         kth = jax.lax.top_k(logprobs, top_k)[0][..., -1:]
         logprobs = jnp.where(logprobs < kth, neg_inf, logprobs)
     if top_p < 1.0:
@@ -126,7 +126,7 @@ def _prefill(model, prompt_ids, prompt_mask, cache_len: int, loop_logprobs: bool
     return out, None
 
 
-def _token_picker(keys, temperature: float, greedy: bool, top_k: int, top_p: float):
+def _token_picker(keys, temperature: float, greedy: bool, top_k: int | None, top_p: float):
     """`pick(logits, step) -> (token, its log-prob)`: argmax, or a draw from the filtered
     distribution with each row's key folded with the step."""
 
@@ -352,7 +352,7 @@ class JaxSamplerEngine:
         key = (
             float(sampling.temperature),
             float(sampling.top_p),
-            int(sampling.top_k),
+            None if sampling.top_k is None else int(sampling.top_k),
             bool(sampling.greedy),
             str(sampling.early_exit),
             float(sampling.exit_threshold),

@@ -4,25 +4,28 @@ default, help, domain and resume policy are declared here, once)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
-from jaxloop.settings import FREE, NON_NEGATIVE, Domain, count, knob, one_of, positive
+from jaxloop.rollout.types import EarlyExit
+from jaxloop.settings import FREE, Domain, count, knob, positive
 
 # the embedded sampler, and the engines that run as Ray actors (the "vllm:" keys apply to both)
-ENGINES = ("jax", "ray_jax", "vllm")
+Engine = Literal["jax", "ray_jax", "vllm"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 RAY_ENGINES = ("ray_jax", "vllm")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # rollout.engine_log_level, any case
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """sampling engines (jax: embedded sampler; ray_jax / vllm: engine actors on Ray)"""
 
-    engine: str = knob(
+    engine: Engine = knob(
         "jax",
         (
             "jax (embedded KV-cache sampler, on the trainer's devices) | ray_jax (the same "
             "sampler in Ray engine actors) | vllm (vLLM engine actors on Ray)"
         ),
-        one_of(*ENGINES),
         resume=FREE,
     )
     temperature: float = knob(
@@ -32,15 +35,17 @@ class RolloutSection:
     # and 1 in training (validate)
     top_p: float = knob(1.0, "nucleus sampling threshold (1: off)", positive(1))
 
-    # -1: off (and off in training: validate)
-    top_k: int = knob(-1, "top-k sampling (-1: off)", count(1, also=(-1,)))
+    # off in training (validate)
+    top_k: int | None = knob(
+        None, "top-k sampling (None: off)", count(1), legacy_none=lambda value: value == -1
+    )
 
     # built-in task answers are one character
     max_new_tokens: int = knob(1, "response length limit in tokens", count(1))
 
     # early-exit rollouts (Ouro exit gate): each generated token stops at a loop chosen from the
     # gate's exit distribution; 'none': every token runs every loop
-    early_exit: str = knob(
+    early_exit: EarlyExit = knob(
         "none",
         (
             "Ouro (exit gate): none | threshold (a token exits at the first loop whose "
@@ -48,21 +53,21 @@ class RolloutSection:
             "from the gate's distribution); the prompt runs every loop, the trainer replays "
             "the depths; vllm engines run eagerly without prefix caching then"
         ),
-        one_of("none", "threshold", "sample"),
     )
     exit_threshold: float = knob(
         0.5, "early_exit=threshold: cumulative exit probability in (0, 1]", positive(1)
     )
 
-    # engine vs trainer selected log-prob bound; 0 = the default (default_logprob_diff)
-    max_logprob_diff: float = knob(
-        0.0,
+    # engine vs trainer selected log-prob bound; None: the engine's (default_logprob_diff)
+    max_logprob_diff: float | None = knob(
+        None,
         (
-            "stop (exit 3) when engine and trainer log-probs differ by more; 0: 1e-3 (jax, "
+            "stop (exit 3) when engine and trainer log-probs differ by more; None: 1e-3 (jax, "
             "fp32) or 0.03 (vllm or bf16)"
         ),
-        NON_NEGATIVE,
+        positive(),
         resume=FREE,
+        legacy_none=lambda value: value == 0,
     )
     num_engines: int = knob(
         1, "vllm: engine actors (one placement-group bundle each)", count(1), resume=FREE
@@ -73,16 +78,13 @@ class RolloutSection:
     publish_bucket_mb: int = knob(
         64, "vllm: policy publication bucket size in MB", count(1), resume=FREE
     )
-    transport: str = knob(
-        "object_store",
-        "vllm: publication transport object_store | disk",
-        one_of("object_store", "disk"),
-        resume=FREE,
+    transport: Literal["object_store", "disk"] = knob(
+        "object_store", "vllm: publication transport object_store | disk", resume=FREE
     )
 
     # or 'delta': only the tensors that changed since the last version; 'delta_xor': those as
     # compressed xor payloads over the last version (the trainer keeps one model copy on the host)
-    publish: str = knob(
+    publish: Literal["full", "delta", "delta_xor"] = knob(
         "full",
         (
             "vllm: full | delta (send only the tensors whose bytes changed since the engines' "
@@ -91,7 +93,6 @@ class RolloutSection:
             "trainer keeps the committed version's tensors: one more model copy in host "
             "memory)"
         ),
-        one_of("full", "delta", "delta_xor"),
         resume=FREE,
     )
 
@@ -131,7 +132,7 @@ class RolloutSection:
     engine_log_level: str = knob(
         "WARNING",
         "vllm: log level in the engine actors: DEBUG | INFO | WARNING | ERROR",
-        Domain(choices=("DEBUG", "INFO", "WARNING", "ERROR"), any_case=True),
+        Domain(choices=LOG_LEVELS, any_case=True),
         resume=FREE,
     )
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal, get_args
 
 # SamplingConfig.early_exit (and rollout.early_exit)
-EARLY_EXIT_MODES = ("none", "threshold", "sample")
+EarlyExit = Literal["none", "threshold", "sample"]
+EARLY_EXIT_MODES: tuple[str, ...] = get_args(EarlyExit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +17,7 @@ class SamplingConfig:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: off
+    top_k: int | None = None  # None: off
     max_new_tokens: int = 8
     stop_token_ids: tuple[int, ...] = ()
     greedy: bool = False

@@ -301,7 +301,7 @@ class VLLMEngine:
             n=1,
             temperature=0.0 if sampling.greedy else float(sampling.temperature),
             top_p=float(sampling.top_p),
-            top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
+            top_k=0 if sampling.top_k is None else int(sampling.top_k),  # vLLM's 0: off
             seed=int(seed),
             max_tokens=int(sampling.max_new_tokens),
             stop_token_ids=[int(t) for t in sampling.stop_token_ids],

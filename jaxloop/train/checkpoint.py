@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop.config import RESUME_FREE_KEYS, UsageError
+from jaxloop.config import RESUME_FREE_KEYS, UsageError, upgrade_stored
 from jaxloop.io import run_dir as layout
 from jaxloop.io.orbax import check_step, older_step_offer, read_config, write_config
 from jaxloop.io.run_dir import (
@@ -261,12 +261,13 @@ def _check_items(cfg, run_dir: Path, step: int, want: set[str], delete) -> None:
 
 
 def _stored_config(run_dir: Path) -> dict | None:
-    """The run dir's config.json flattened (None without one; RunDirError when unreadable)."""
+    """The run dir's config.json flattened, in this version's spelling (`upgrade_stored`; None
+    without one; RunDirError when unreadable)."""
     stored_path = run_dir / CONFIG_FILE
     if not stored_path.is_file():
         return None
     try:
-        return flat_json(json.loads(stored_path.read_text()))
+        return upgrade_stored(flat_json(json.loads(stored_path.read_text())))
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
         raise RunDirError(f"{stored_path} is unreadable ({type(err).__name__}: {err})") from None
 

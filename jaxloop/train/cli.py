@@ -29,7 +29,12 @@ from jaxloop.train.build import actor_config
 from jaxloop.train.checkpoint import FreshStartCleanup, check_fresh_start, check_resume_config
 from jaxloop.train.consistency import STOPPED_RUN_ERRORS
 from jaxloop.train.loop import Trainer
-from jaxloop.train.setup import checked_loss_hparams, logprob_bound, run_producer_settings
+from jaxloop.train.setup import (
+    checked_loss_hparams,
+    logprob_bound,
+    run_producer_settings,
+    updates_per_rollout,
+)
 
 
 def _stored_vocab_size(cfg) -> int:
@@ -147,13 +152,12 @@ def run_dir_status(cfg) -> str:
 def dry_run(cfg) -> str:
     """The checks a real run makes before it builds a model (config, loss hyper-parameters,
     data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
-    algo = preflight(cfg)
+    preflight(cfg)
     done = completed_update(cfg.run_dir)
     if done is None or done < cfg.total_updates:
         check_resume_config(cfg, Path(cfg.run_dir).resolve())
         check_fresh_start(cfg, Path(cfg.run_dir).resolve())
-    steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
-    bound = logprob_bound(cfg)
+    steps, bound = updates_per_rollout(cfg), logprob_bound(cfg)
     return "\n".join(
         [
             format_tree(cfg),

@@ -10,7 +10,7 @@ Points of an update (`at`):
   "saved"      after the update returned (checkpoints)
 
 `every`: due when the updates finished so far (`Step.finished`: the update's index at "start",
-one more from "end" on) are a multiple of it; 0: never. `last`: also due when that many are
+one more from "end" on) are a multiple of it; None: never. `last`: also due when that many are
 finished.
 """
 
@@ -42,15 +42,17 @@ class Step:
 class Hook:
     fn: Callable[[Step], None]
     at: str = "end"
-    every: int = 1
+    every: int | None = 1
     last: int | None = None
 
     def __post_init__(self):
         if self.at not in POINTS:
             raise ValueError(f"hook point {self.at!r}; expected one of {POINTS}")
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"hook every={self.every}; expected >= 1 or None (never)")
 
     def due(self, finished: int) -> bool:
-        return (self.every > 0 and finished % self.every == 0) or finished == self.last
+        return (self.every is not None and finished % self.every == 0) or finished == self.last
 
 
 class Hooks:

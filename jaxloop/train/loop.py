@@ -164,7 +164,7 @@ class Trainer:
             Hook(self._evaluate, at="start", every=cfg.eval_every),
             Hook(self._write_features, at="forward"),
             Hook(self._check_logprobs, at="logprobs"),
-            Hook(self._final_evaluate, at="end", every=0, last=cfg.total_updates),
+            Hook(self._final_evaluate, at="end", every=None, last=cfg.total_updates),
             Hook(self._write_metrics, at="end"),
             Hook(self._save, at="saved", every=cfg.checkpoint_every, last=self.stop_at),
         ]
@@ -173,7 +173,7 @@ class Trainer:
     def stop_at(self) -> int:
         """The update this process stops after: total_updates, or stop_after updates from here."""
         last, after = self.cfg.total_updates, self.cfg.stop_after
-        return last if after <= 0 else min(last, self.start_update + after)
+        return last if after is None else min(last, self.start_update + after)
 
     def run_warm_start(self) -> None:
         """warm_start.sft_steps SFT steps on the fresh actor; the state is then built around
@@ -287,7 +287,7 @@ class Trainer:
             seq_multiple=cfg.learner.seq_multiple,
             max_new_tokens=cfg.rollout.max_new_tokens,
         ).pad_to(shd.data_parallel_size(self.mesh))
-        if cfg.learner.pack_tokens > 0:  # one sample length: the packed learner's shapes are fixed
+        if cfg.learner.pack_tokens is not None:  # one length: the packed learner's shapes are fixed
             batch = batch.with_length(cfg.learner.pack_tokens + 1)
         return batch
 

@@ -41,7 +41,7 @@ def actor_seed(cfg) -> int:
 
 def loss_hparams(cfg) -> LossHParams:
     a = cfg.algo
-    opt = lambda v: None if v < 0 else float(v)
+    opt = lambda v: None if v is None else float(v)
     return LossHParams(
         clip_eps=a.clip_eps,
         clip_eps_high=opt(a.clip_eps_high),
@@ -76,7 +76,16 @@ def logprob_bound(cfg) -> float:
     """The engine-vs-trainer log-prob bound: rollout.max_logprob_diff, or the engine's and
     dtype's default."""
     rollout = cfg.rollout
-    return rollout.max_logprob_diff or default_logprob_diff(rollout.engine, cfg.model.compute_dtype)
+    if rollout.max_logprob_diff is not None:
+        return rollout.max_logprob_diff
+    return default_logprob_diff(rollout.engine, cfg.model.compute_dtype)
+
+
+def updates_per_rollout(cfg) -> int:
+    """Optimizer steps per rollout batch: updates_per_rollout, or the algorithm's default."""
+    if cfg.updates_per_rollout is not None:
+        return cfg.updates_per_rollout
+    return get_algorithm(cfg.algorithm).default_updates_per_rollout
 
 
 def learner_config(cfg, steps: int) -> LearnerConfig:
@@ -105,7 +114,7 @@ class TrainSetup:
         algo = get_algorithm(cfg.algorithm)
         hparams = checked_loss_hparams(cfg)
         self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
-        steps = cfg.updates_per_rollout or algo.default_updates_per_rollout
+        steps = updates_per_rollout(cfg)
         o = cfg.optim
         total = cfg.total_updates * steps
         self.actor_tx = make_optimizer(

@@ -50,11 +50,11 @@ class _Run:
         micro,
         kl_coef=0.0,
         flow_delta=0.01,
-        logits_chunk=0,
+        logits_chunk=None,
         offload=None,
         tx=None,
         value_loss_scale=1.0,
-        pack_tokens=0,
+        pack_tokens=None,
         updates=0,
         loop_credit="last",
         model_cfg=CFG,
@@ -263,7 +263,7 @@ def test_entropy_coef_is_the_only_gradient_when_advantages_vanish():
 
 @pytest.mark.parametrize(
     "name, pack, offload",
-    [("grpo", 0, False), ("ppo", 0, False), ("dppo", 24, False), ("flow_dppo", 0, True)],
+    [("grpo", None, False), ("ppo", None, False), ("dppo", 24, False), ("flow_dppo", None, True)],
 )
 def test_fused_old_logprobs_equal_the_separate_forward(name, pack, offload):
     """One optimizer step per rollout: `update_fused` (the old log-probs taken from the step's

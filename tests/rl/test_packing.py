@@ -59,9 +59,9 @@ def test_plan_is_a_lossless_deterministic_relayout():
 @pytest.mark.parametrize(
     "name, micro, kl, updates, chunk",
     [
-        ("ppo", 4, 0.1, 0, 0),  # critic values and steps, reference
-        ("grpo", 2, 0.1, 0, 0),  # groups split over micro-batches, reference
-        ("dppo", 2, 0.0, 3, 0),  # 3 uneven steps: their micro-batches differ from the passes'
+        ("ppo", 4, 0.1, 0, None),  # critic values and steps, reference
+        ("grpo", 2, 0.1, 0, None),  # groups split over micro-batches, reference
+        ("dppo", 2, 0.0, 3, None),  # 3 uneven steps: their micro-batches differ from the passes'
         ("flow_dppo", 4, 0.0, 0, 4),  # full-vocabulary KL, chunked LM head
     ],
 )

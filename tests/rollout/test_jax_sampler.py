@@ -108,9 +108,9 @@ def test_top_k_and_top_p_filters():
     lp = jax.nn.log_softmax(jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]])))
     k2 = np.asarray(filter_logprobs(lp, 2, 1.0))
     assert np.isfinite(k2[0, :2]).all() and (k2[0, 2:] < -1e30).all()
-    p = np.asarray(filter_logprobs(lp, -1, 0.7))  # 0.5 + 0.3 reaches 0.7: keep two
+    p = np.asarray(filter_logprobs(lp, None, 0.7))  # 0.5 + 0.3 reaches 0.7: keep two
     assert (p[0, :2] > -1e30).all() and (p[0, 2:] < -1e30).all()
-    p = np.asarray(filter_logprobs(lp, -1, 0.5))  # the top token alone reaches 0.5
+    p = np.asarray(filter_logprobs(lp, None, 0.5))  # the top token alone reaches 0.5
     assert p[0, 0] > -1e30 and (p[0, 1:] < -1e30).all()
 
 

@@ -246,7 +246,7 @@ def test_sampled_logprobs_match_jax(harness, sampling):
             lp = _ref_logprobs(model, s.prompt_ids + s.response_ids)
             p = len(s.prompt_ids)
             assert s.response_ids == [int(lp[p - 1 + i].argmax()) for i in range(len(lp) - p)]
-    if sampling.top_k > 0:
+    if sampling.top_k is not None:
         for s in samples:  # every sampled token is inside the top-k of the processed distribution
             lp = _ref_logprobs(model, s.prompt_ids + s.response_ids, temperature)
             p = len(s.prompt_ids)

@@ -28,11 +28,11 @@ def _run_main(capsys, *argv):
         (["--config", "grpo.py", "--config.n_samples_per_prompt=1"], "n_samples_per_prompt >= 2"),
         (["--config", "no_such_config.py"], "not found"),
         (["--config", "ppo.py", "--config.model.hf_dir=/no/such/dir"], "hf_dir"),
-        (["--config", "ppo.py", "--config.algorithm=sac"], "algorithm='sac'"),
+        (["--config", "ppo.py", "--config.algorithm=sac"], "algorithm must be one of"),
         (["--config", "ppo.py", "--config.data.max_prompt_tokens=3"], "longer than"),
         (["--config", "ppo.py", "--config.rollout.engine_timeout_s=0"], "engine_timeout_s must"),
         (["--config", "ppo.py", "--config.algo.dual_clip=0.5"], "dual_clip must be > 1"),
-        (["--config", "ppo.py", "--config.data.task=nope"], "unknown builtin task"),
+        (["--config", "ppo.py", "--config.data.task=nope"], "data.task must be one of"),
         (["--config", "ppo.py", "--config.data.reward=nope"], "unknown reward"),
         (["--config", "ppo.py", "--config.optim.schedule=nope"], "optim.schedule"),
         # filtered sampling would bias every ratio: refused for training rollouts
@@ -177,11 +177,12 @@ def nan_for_odd_seeds(response: str, label: str) -> float:
 
 
 def test_zero_intervals_evaluate_and_checkpoint_only_after_the_last_update(tmp_path, capsys):
-    """eval_every=0 and checkpoint_every=0: no periodic evaluation or checkpoint, only the final
-    ones (the summary copes with a run that has no periodic eval_reward)."""
+    """eval_every=None and checkpoint_every=None: no periodic evaluation or checkpoint, only the
+    final ones (the summary copes with a run that has no periodic eval_reward)."""
     run_dir = tmp_path / "run"
     args = ["--config", "grpo.py", *TINY, f"--config.run_dir={run_dir}"]
-    args += ["--config.total_updates=3", "--config.eval_every=0", "--config.checkpoint_every=0"]
+    args += ["--config.total_updates=3", "--config.eval_every=None"]
+    args += ["--config.checkpoint_every=None"]
     assert main(args) == 0
     rows = read_rows(run_dir)
     assert [r["update"] for r in rows] == [0, 1, 2]

@@ -51,7 +51,7 @@ def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config,
                 *TINY,
                 *extra,
                 "--config.total_updates=6",
-                "--config.eval_every=0",  # one evaluation, after the last update (excluded)
+                "--config.eval_every=None",  # one evaluation, after the last update (excluded)
                 "--config.rollout.max_new_tokens=3",
                 f"--config.run_dir={tmp_path / 'run'}",
             ]

@@ -13,8 +13,8 @@ def test_every_counts_finished_updates():
         [
             Hook(lambda s: ran.append(("eval", s.update)), at="start", every=2),
             Hook(lambda s: ran.append(("save", s.update)), at="saved", every=2, last=5),
-            Hook(lambda s: ran.append(("final", s.update)), at="end", every=0, last=5),
-            Hook(lambda s: ran.append(("never", s.update)), at="end", every=0),
+            Hook(lambda s: ran.append(("final", s.update)), at="end", every=None, last=5),
+            Hook(lambda s: ran.append(("never", s.update)), at="end", every=None),
         ]
     )
     for update in range(5):
@@ -43,3 +43,8 @@ def test_hooks_of_one_point_run_in_list_order():
 def test_unknown_point_is_refused():
     with pytest.raises(ValueError, match="hook point 'after'"):
         Hook(lambda s: None, at="after")
+
+
+def test_every_below_one_is_refused():  # None is never; 0 is no interval
+    with pytest.raises(ValueError, match="every=0"):
+        Hook(lambda s: None, every=0)

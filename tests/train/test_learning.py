@@ -26,7 +26,7 @@ def test_warm_started_reverse_is_lifted_by_rl(tmp_path, algorithm):
         f"{algorithm}.py",
         f"--config.total_updates={LIFT_UPDATES}",
         f"--config.eval_every={LIFT_UPDATES}",
-        "--config.checkpoint_every=0",
+        "--config.checkpoint_every=None",
         "--config.progress=false",
         "--config.curves=false",  # no test here reads curves.png
         timeout=1200,

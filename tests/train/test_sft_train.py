@@ -184,7 +184,7 @@ def test_warm_start_and_critic_warmup_refusals(tmp_path):
         ("ppo.py", "--config.warm_start.stop_at_reward=-1"),
         # read only by a warm start: refused, not ignored, without one
         ("ppo.py", no_warm_start),  # the recipe's stop_at_reward stays
-        ("ppo.py", no_warm_start, "--config.warm_start.stop_at_reward=0", "--config.sft.lr=0.1"),
+        ("ppo.py", no_warm_start, "--config.warm_start.stop_at_reward=None", "--config.sft.lr=0.1"),
     ):
         proc = subprocess.run([*cmd, config, *keys], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (keys, proc.stderr)
