@@ -69,6 +69,11 @@ class LearnerConfig:
 NO_OFFLOAD = OffloadConfig()
 
 
+def _on_mesh(x: jax.Array, mesh: Mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh
+
+
 class Learner:
     """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the
     jitted entries. It holds no parameters: those live in the TrainState."""
@@ -267,8 +272,26 @@ class Learner:
 
     # ---- offloading ----
     def rest(self, state: TrainState) -> TrainState:
-        """`state` with every offloaded part in host memory (after init or restore)."""
+        """`state` as the learner keeps it between updates (after init or restore): on the
+        learner's mesh, every offloaded part in host memory. A state built off the mesh (one
+        device, `build_train_state` without shardings) is put on its shardings first: the jitted
+        entries' outputs live there, so a state off it would make the second update trace and
+        compile every entry again (the trainer's state is born there: nothing moves)."""
+        if not all(_on_mesh(x, self.mesh) for x in jax.tree.leaves(state)):
+            state = jax.device_put(state, self._placed_shardings(state))
         return offload_lib.rest(self.offload, state)
+
+    def _placed_shardings(self, state: TrainState):
+        """The state's shardings as a tree matching `state` (absent fields None)."""
+        s = self.state_shardings
+        if not isinstance(s, TrainState):
+            return jax.tree.map(lambda _: s, state)
+        return state.replace(
+            **{
+                f.name: None if getattr(state, f.name) is None else getattr(s, f.name)
+                for f in dataclasses.fields(state)
+            }
+        )
 
     def _update_offloaded(
         self, state: TrainState, batch: TrainBatch, critic_only: bool, loops: int | None

@@ -159,6 +159,30 @@ def test_update_advances_counters_and_donates_state():
     assert jax.tree.leaves(before.actor_params)[0].is_deleted()
 
 
+def test_a_state_built_off_the_mesh_compiles_each_entry_once():
+    """`build_train_state` without shardings puts the state on one device, off the learner's
+    (one-device) mesh; `Learner.rest` places it there, so the second update finds the programs
+    of the first (without it every entry was traced and compiled again: the outputs live on the
+    mesh)."""
+    from jax._src import dispatch
+
+    lowerings = []
+
+    def count(event, _duration, **_kwargs):
+        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            lowerings.append(event)
+
+    arrays, run = _arrays(), _Run("ppo", 4)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        run.update(arrays)
+        first = len(lowerings)
+        run.update(arrays)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert first > 0 and len(lowerings) == first
+
+
 def test_kl_coef_enters_critic_algorithms_rewards():
     """algo.kl_coef > 0 for PPO / DPPO / Flow-DPPO: token rewards -kl_coef * (log pi_old -
     log pi_ref) (the reference stack's form) change the returns the critic fits and the
