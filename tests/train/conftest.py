@@ -13,3 +13,10 @@ def env():
     assert e.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's cache"
     e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return e
+
+
+@pytest.fixture(scope="session")
+def one_device_env(env):
+    """`env` with one CPU device, as `python -m jaxloop.train` sees a CPU machine (the default
+    job, scripts/learning_check.py) instead of the session's 8 fake devices."""
+    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -37,13 +37,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def one_device_env(env):
-    e = dict(env)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    return e
-
-
-@pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, env, one_device_env):
     """run(algorithm, mesh name or None for one device) -> (run_dir, rows) of the 2-update run:
     each made once per module (the fsdp8 PPO run is both a mesh under test and the straight run
