@@ -10,7 +10,8 @@ and the result equals the straight run's (same tokens, losses and rewards).
 Each engine run costs tens of seconds (a Ray worker importing vLLM and building an engine), so
 runs are shared where one run can serve two tests without weakening either: DPPO trains one
 update ahead (rollout.max_staleness=1), and its straight run is also the resume test's reference;
-GRPO's verbose one-update run is also the first half of the GRPO resume.
+GRPO's verbose one-update run is also the first half of the GRPO resume; PPO's run is an Ouro
+model with threshold exits and a 2-then-3 loop budget, the early-exit test's run.
 """
 
 import os
@@ -52,6 +53,16 @@ TINY = [
 TIMINGS: dict[str, float] = {}
 # rollout.max_staleness per algorithm (0 when absent): DPPO's off-policy correction at work
 STALENESS = {"dppo": 1}
+# Ouro with threshold exits and a 2-then-3 loop budget: the engines exit tokens and run K loops
+EARLY_EXIT = (
+    "--config.model.family=ouro",
+    "--config.model.num_loops=3",
+    "--config.model.loop_budget=2@0,3@1",
+    "--config.rollout.early_exit=threshold",
+    "--config.rollout.exit_threshold=0.4",
+)
+# what each algorithm's run adds to TINY: PPO's is also the early-exit test's run
+EXTRA = {"ppo": EARLY_EXIT}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +97,15 @@ def _ahead(algorithm):
     return (f"--config.rollout.max_staleness={STALENESS.get(algorithm, 0)}",)
 
 
+def _own(algorithm):
+    """The algorithm's own settings: its staleness and EXTRA."""
+    return (*_ahead(algorithm), *EXTRA.get(algorithm, ()))
+
+
 def _vllm_run(tmp_path, algorithm, cluster, env, straight_runs):
     if algorithm not in straight_runs:
         run_dir = tmp_path / f"{algorithm}_vllm"
-        proc, seconds = _train(run_dir, algorithm, *_ahead(algorithm), env=env, address=cluster)
+        proc, seconds = _train(run_dir, algorithm, *_own(algorithm), env=env, address=cluster)
         TIMINGS[f"{algorithm}_vllm_run_s"] = seconds
         ready = re.search(r"ready in ([\d.]+)s \(engine start ([\d.]+)s", proc.stderr)
         assert ready, proc.stderr[-2000:]
@@ -128,27 +144,17 @@ def test_train_through_ray_vllm(tmp_path, algorithm, cluster, env, straight_runs
     assert "final_eval_reward" in rows[-1]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
 
-    # the embedded engine's metrics (1 update: eval and final eval in one row) for the keys
+    # the embedded engine's metrics, the same run's keys (PPO's 2-then-3 loop budget: both K)
     embedded = tmp_path / f"{algorithm}_embedded"
-    _train(embedded, algorithm, *_ahead(algorithm), "--config.total_updates=1", env=env)
+    _train(embedded, algorithm, *_own(algorithm), env=env)
     assert _keys(rows) == _keys(read_rows(embedded)) | {"engine_restarts", "manager_restarts"}
 
 
-def test_early_exit_and_loop_budget_through_ray_vllm(tmp_path, cluster, env):
-    """Ouro with threshold exits and a 2-then-3 loop budget: the engines exit tokens and run K
-    loops, the trainer replays their depths, and the log-probs agree within the vLLM bound."""
-    run_dir = tmp_path / "depth_vllm"
-    _train(
-        run_dir,
-        "dppo",
-        "--config.model.family=ouro",
-        "--config.model.num_loops=3",
-        "--config.model.loop_budget=2@0,3@1",
-        "--config.rollout.early_exit=threshold",
-        "--config.rollout.exit_threshold=0.4",
-        env=env,
-        address=cluster,
-    )
+def test_early_exit_and_loop_budget_through_ray_vllm(tmp_path, cluster, env, straight_runs):
+    """Ouro with threshold exits and a 2-then-3 loop budget (PPO's run, EARLY_EXIT): the engines
+    exit tokens and run K loops, the trainer replays their depths, and the log-probs agree within
+    the vLLM bound."""
+    run_dir, _ = _vllm_run(tmp_path, "ppo", cluster, env, straight_runs)
     rows = read_rows(run_dir)
     assert [r["loop_budget"] for r in rows] == [2.0, 3.0]
     for r in rows:
