@@ -3,8 +3,9 @@ one persistent XLA compilation cache for the whole session (every trainer subpro
 shapes reuses the programs an earlier one compiled; results are the same executables), and the
 xdist groups that `pytest -n` distributes: one group per test module, and every real-engine test
 (`slow`: vLLM, Ray) in the "real-engines" group, so its engines run one at a time; a module that
-starts a Ray cluster of its own kind names its group (`ENGINE_GROUP`: the simulated multi-node
-cluster runs beside the real-engines group; every test cluster is private, RAY_ADDRESS=local). A
+starts a Ray cluster of its own names its group (`ENGINE_GROUP`: the simulated multi-node cluster
+and the trainer-through-vLLM runs each run beside the real-engines group; every test cluster is
+private, RAY_ADDRESS=local). A
 slow module without engines (long trainer runs) says `USES_REAL_ENGINES = False` and keeps its own
 group, so it runs beside the engine tests instead of after them."""
 
@@ -46,8 +47,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # real-engine group starts at once and the short modules fill in at the end. A group not listed
 # counts as short; the order only changes when tests run, not what they check.
 GROUP_SECONDS = {
-    "real-engines": 1300,
-    "ray-cluster": 900,
+    "train-vllm": 1000,
+    "ray-cluster": 700,
+    "real-engines": 650,
     "tests.rl.test_learner": 360,
     "tests.train.test_mesh": 300,
     "tests.train.test_learning": 290,

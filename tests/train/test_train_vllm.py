@@ -30,6 +30,9 @@ from jaxloop.config import default_logprob_diff
 from tests.train.helpers import UNIT, interrupt_at_checkpoint, read_rows, stable, train_process
 
 pytestmark = pytest.mark.slow
+# its own Ray cluster (the `cluster` fixture): a group of its own, beside the other real-engine
+# modules (the longest chain of the suite when they ran one after another)
+ENGINE_GROUP = "train-vllm"
 
 ALGORITHMS = ["ppo", "grpo", "dppo", "flow_dppo"]
 TINY = [
