@@ -35,7 +35,6 @@ from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
-from jaxloop.rl.learner import metrics_to_host
 from jaxloop.rl.optim import make_optimizer
 from jaxloop.rl.sft import (
     SFTBatch,
@@ -184,7 +183,7 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
             actor_params, opt_state, metrics = stepper.step(
                 actor_params, opt_state, data.next_batch()
             )
-            last.update(metrics_to_host(metrics))
+            last.update(shd.metrics_to_host(metrics))
             steps_run = step
             if probe is not None:
                 publish(actor_params)
@@ -366,7 +365,7 @@ class SFTRun:
                 params, opt, metrics = self.stepper.step(
                     s.actor_params, s.actor_opt, self.data.next_batch()
                 )
-                metrics = metrics_to_host(metrics)
+                metrics = shd.metrics_to_host(metrics)
                 skips = skips + 1 if metrics["skipped"] else 0
                 self.state = s.replace(
                     actor_params=params,

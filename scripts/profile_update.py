@@ -43,8 +43,12 @@ import bench_peers  # noqa: E402  (scripts/, stdlib only)
 
 from jaxloop.config import parse_args, validate_mesh  # noqa: E402
 from jaxloop.parallel import mesh as shd  # noqa: E402
+
+try:
+    from jaxloop.parallel.mesh import metrics_to_host  # noqa: E402
+except ImportError:  # a checkout older than its move out of the learner
+    from jaxloop.rl.learner import metrics_to_host  # noqa: E402
 from jaxloop.rl.batch import RolloutBatch  # noqa: E402
-from jaxloop.rl.learner import metrics_to_host  # noqa: E402
 from jaxloop.train.build import actor_config  # noqa: E402
 from jaxloop.train.setup import TrainSetup  # noqa: E402
 

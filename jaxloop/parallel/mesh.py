@@ -186,6 +186,22 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def metrics_to_host(metrics: dict) -> dict[str, float]:
+    """Device scalars -> floats: one transfer for all of them (a multi-host array whose value
+    is not all on this host goes through `to_host`)."""
+    local = {k: v for k, v in metrics.items() if getattr(v, "is_fully_addressable", True)}
+    fetched = jax.device_get(local)
+    return {k: float(fetched[k]) if k in fetched else float(to_host(v)) for k, v in metrics.items()}
+
+
+def on_mesh(tree, mesh: Mesh) -> bool:
+    """Whether every leaf of `tree` is an array with a NamedSharding over `mesh`."""
+    return all(
+        isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+        for x in jax.tree.leaves(tree)
+    )
+
+
 def per_device_bytes(tree) -> dict:
     """Bytes each device holds of the arrays in `tree` (addressable shards only)."""
     held: dict = {}

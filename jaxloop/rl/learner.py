@@ -69,11 +69,6 @@ class LearnerConfig:
 NO_OFFLOAD = OffloadConfig()
 
 
-def _on_mesh(x: jax.Array, mesh: Mesh) -> bool:
-    sharding = getattr(x, "sharding", None)
-    return isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh
-
-
 class Learner:
     """Static parts (graphdefs, algorithm, hyper-parameters, optimizers, shardings) and the
     jitted entries. It holds no parameters: those live in the TrainState."""
@@ -277,21 +272,9 @@ class Learner:
         device, `build_train_state` without shardings) is put on its shardings first: the jitted
         entries' outputs live there, so a state off it would make the second update trace and
         compile every entry again (the trainer's state is born there: nothing moves)."""
-        if not all(_on_mesh(x, self.mesh) for x in jax.tree.leaves(state)):
-            state = jax.device_put(state, self._placed_shardings(state))
+        if not shd.on_mesh(state, self.mesh):
+            state = jax.device_put(state, state.shardings_from(self.state_shardings))
         return offload_lib.rest(self.offload, state)
-
-    def _placed_shardings(self, state: TrainState):
-        """The state's shardings as a tree matching `state` (absent fields None)."""
-        s = self.state_shardings
-        if not isinstance(s, TrainState):
-            return jax.tree.map(lambda _: s, state)
-        return state.replace(
-            **{
-                f.name: None if getattr(state, f.name) is None else getattr(s, f.name)
-                for f in dataclasses.fields(state)
-            }
-        )
 
     def _update_offloaded(
         self, state: TrainState, batch: TrainBatch, critic_only: bool, loops: int | None
@@ -624,13 +607,3 @@ def _next_state(state: TrainState, trained: tuple, counted: tuple, metrics: dict
     counters, skipped = counted
     metrics["skipped"] = skipped.astype(jnp.float32)
     return state.apply_update(*trained, counters), metrics
-
-
-def metrics_to_host(metrics: dict) -> dict[str, float]:
-    """Device scalars -> floats: one transfer for all of them (a multi-host array whose value
-    is not all on this host goes through `to_host`)."""
-    local = {k: v for k, v in metrics.items() if getattr(v, "is_fully_addressable", True)}
-    fetched = jax.device_get(local)
-    return {
-        k: float(fetched[k]) if k in fetched else float(shd.to_host(v)) for k, v in metrics.items()
-    }

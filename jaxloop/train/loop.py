@@ -19,7 +19,6 @@ from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
-from jaxloop.rl.learner import metrics_to_host
 from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.pipeline import RolloutPipeline
 from jaxloop.rollout.producer import build_tokenizer
@@ -322,7 +321,7 @@ class Trainer:
     def after_update(self, step: Step, learner, update_metrics, t_update: float) -> None:
         """The update's metrics, and the stop after too many skipped (non-finite) updates."""
         metrics = step.metrics
-        metrics.update(metrics_to_host(update_metrics))
+        metrics.update(shd.metrics_to_host(update_metrics))
         self.warn_constant_values(step.update, metrics)
         metrics["skipped_updates"] = float(self.state.skipped_updates)
         check_skips(  # nothing of this update is saved then: the last checkpoint stays good
