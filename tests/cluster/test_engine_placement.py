@@ -118,7 +118,10 @@ def test_lost_engine_node_restarts_the_engine_elsewhere(ray_cluster, placed, tmp
     assert code == 0, output[-4000:]
     # the death is seen by a call ("engine 0 died") or by the health check between calls
     # ("engine 0 failed its health check (...)"): either way one restart line
-    restarted = re.findall(r"(engine \d+|rollout manager) [^\n]*: restarted in ([\d.]+)s", output)
+    # (a manager's log lines carry Ray's "(rollout manager pid=N)" prefix: not its own restart)
+    restarted = re.findall(
+        r"(engine \d+|rollout manager(?= died))[^\n]*?: restarted in ([\d.]+)s", output
+    )
     rows = read_rows(run_dir)
     print(
         f"\nengine node removed {removed_at - start:.1f} s into the run; recovered: {restarted}; "
