@@ -273,7 +273,10 @@ class Learner:
         entries' outputs live there, so a state off it would make the second update trace and
         compile every entry again (the trainer's state is born there: nothing moves)."""
         if not shd.on_mesh(state, self.mesh):
-            state = jax.device_put(state, state.shardings_from(self.state_shardings))
+            present = [
+                f.name for f in dataclasses.fields(state) if getattr(state, f.name) is not None
+            ]
+            state = jax.device_put(state, state.replace(**{f: self._part(f) for f in present}))
         return offload_lib.rest(self.offload, state)
 
     def _update_offloaded(

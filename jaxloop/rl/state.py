@@ -13,7 +13,6 @@ a full copy of a sharded tensor.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -53,18 +52,6 @@ class TrainState:
     def counters(self) -> dict:
         """The scalar bookkeeping (`COUNTERS`) by name."""
         return {name: getattr(self, name) for name in COUNTERS}
-
-    def shardings_from(self, shardings) -> TrainState:
-        """`shardings` (one sharding for every part, or a TrainState of them) as a tree matching
-        this state: its absent parts stay None."""
-        if not isinstance(shardings, TrainState):
-            return jax.tree.map(lambda _: shardings, self)
-        return self.replace(
-            **{
-                f.name: None if getattr(self, f.name) is None else getattr(shardings, f.name)
-                for f in dataclasses.fields(self)
-            }
-        )
 
     def apply_update(
         self, actor_params, actor_opt, critic_params, critic_opt, counters: dict
