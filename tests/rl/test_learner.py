@@ -164,23 +164,14 @@ def test_a_state_built_off_the_mesh_compiles_each_entry_once():
     (one-device) mesh; `Learner.rest` places it there, so the second update finds the programs
     of the first (without it every entry was traced and compiled again: the outputs live on the
     mesh)."""
-    from jax._src import dispatch
-
-    lowerings = []
-
-    def count(event, _duration, **_kwargs):
-        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
-            lowerings.append(event)
+    from tests.lowerings import counting_lowerings
 
     arrays, run = _arrays(), _Run("ppo", 4)
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with counting_lowerings() as lowered:
         run.update(arrays)
-        first = len(lowerings)
+        first = lowered[0]
         run.update(arrays)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
-    assert first > 0 and len(lowerings) == first
+    assert first > 0 and lowered[0] == first
 
 
 def test_kl_coef_enters_critic_algorithms_rewards():

@@ -2,16 +2,13 @@
 of the same length lowers no new program (counted with jax.monitoring's lowering events), for
 the fused one-step update (GRPO) and the separate old-log-prob pass + critic (PPO)."""
 
-import jax
 import pytest
-from jax._src import dispatch
 
 from jaxloop.rl.batch import RolloutBatch
 from jaxloop.train import cli as train_cli
 from jaxloop.train.loop import Trainer
+from tests.lowerings import counting_lowerings
 from tests.train.helpers import TINY
-
-LOWERING_EVENT = dispatch.JAXPR_TO_MLIR_MODULE_EVENT
 
 
 @pytest.mark.parametrize(
@@ -19,11 +16,7 @@ LOWERING_EVENT = dispatch.JAXPR_TO_MLIR_MODULE_EVENT
     [("grpo.py", ()), ("ppo.py", ("--config.updates_per_rollout=2",))],
 )
 def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config, extra):
-    lowerings, rows = [0], []
-
-    def count(event, _duration, **_kwargs):
-        if event == LOWERING_EVENT:
-            lowerings[0] += 1
+    rows = []
 
     from_samples = RolloutBatch.from_samples
 
@@ -42,8 +35,7 @@ def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config,
 
     monkeypatch.setattr(RolloutBatch, "from_samples", staticmethod(recorded))
     monkeypatch.setattr(Trainer, "one_update", counted)
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with counting_lowerings() as lowerings:
         code = train_cli.main(
             [
                 "--config",
@@ -56,8 +48,6 @@ def test_updates_of_a_seen_length_compile_nothing(tmp_path, monkeypatch, config,
                 f"--config.run_dir={tmp_path / 'run'}",
             ]
         )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert code == 0
     assert per_update[0][2] > 0  # the counter sees compilations
     seen, checked = set(), 0
