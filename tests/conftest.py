@@ -16,8 +16,10 @@ import tempfile
 
 import pytest
 
-# Must be set before jax initialises its backends.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla import SESSION_FLAGS
+
+# Must be set before jax initialises its backends (tests/xla.py says why these flags).
+os.environ.setdefault("XLA_FLAGS", SESSION_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

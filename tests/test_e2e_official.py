@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla import process_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow  # four trainer processes
@@ -16,10 +18,7 @@ USES_REAL_ENGINES = False  # trainer processes only: its own xdist group (confte
 
 
 def test_e2e_official_reduced(tmp_path):
-    import os
-
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env = process_env(1)  # one device, the session's other XLA flags
     cmd = [sys.executable, str(ROOT / "scripts" / "e2e_official.py"), "--reduced"]
     cmd += ["--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from jaxloop.launch import process_env
+
 
 @pytest.fixture(scope="session")
 def env():
@@ -19,4 +21,4 @@ def env():
 def one_device_env(env):
     """`env` with one CPU device, as `python -m jaxloop.train` sees a CPU machine (the default
     job, scripts/learning_check.py) instead of the session's 8 fake devices."""
-    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return process_env(1, env)

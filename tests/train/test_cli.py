@@ -1,5 +1,7 @@
 """`python -m jaxloop.train`: bad input is one line on stderr, exit code 2, nothing written;
-non-finite rewards are dropped and counted; training starts from an HF directory."""
+non-finite rewards are dropped and counted; training starts from an HF directory. The trainer
+subprocesses see one CPU device, as `python -m jaxloop.train` on a CPU machine does; the runs in
+this process see the session's 8 (test_mesh.py and test_resume.py are the sharded runs' checks)."""
 
 import json
 import math
@@ -192,13 +194,14 @@ def test_zero_intervals_evaluate_and_checkpoint_only_after_the_last_update(tmp_p
     assert "final eval reward" in capsys.readouterr().err
 
 
-def test_nan_rewards_dropped_and_counted(tmp_path):
+def test_nan_rewards_dropped_and_counted(tmp_path, one_device_env):
     rows = run_train(
         tmp_path / "run",
         "ppo.py",
         "--config.total_updates=2",
         *TINY,
         "--config.data.reward=tests.train.test_cli:nan_for_odd_seeds",
+        env=one_device_env,
     )
     assert len(rows) == 2
     for row in rows:
@@ -207,7 +210,7 @@ def test_nan_rewards_dropped_and_counted(tmp_path):
     assert sum(r["dropped_samples"] for r in rows) > 0
 
 
-def test_train_from_hf_dir(tmp_path):
+def test_train_from_hf_dir(tmp_path, one_device_env):
     hf = tiny_hf_config("ouro", vocab_size=64, hidden_size=32, head_dim=16, num_hidden_layers=1)
     model = LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
     save_hf(model, tmp_path / "hf", dtype="float32")
@@ -218,13 +221,14 @@ def test_train_from_hf_dir(tmp_path):
         "--config.total_updates=1",
         *TINY,
         f"--config.model.hf_dir={tmp_path / 'hf'}",
+        env=one_device_env,
     )
     stored = json.loads((run_dir / "actor_config.json").read_text())
     assert stored["model_type"] == "ouro" and stored["total_ut_steps"] == 4
     assert len(rows) == 1
 
 
-def test_jsonl_prompts_hf_tokenizer_math_reward(tmp_path):
+def test_jsonl_prompts_hf_tokenizer_math_reward(tmp_path, one_device_env):
     from tests.data.test_tokenizer import _build_hf_tokenizer
 
     tok_dir = _build_hf_tokenizer(tmp_path / "tok")
@@ -243,12 +247,13 @@ def test_jsonl_prompts_hf_tokenizer_math_reward(tmp_path):
         "--config.data.reward=math_verify",
         "--config.data.max_prompt_tokens=64",
         "--config.rollout.max_new_tokens=4",
+        env=one_device_env,
     )
     assert len(metrics) == 2 and metrics[0]["num_samples"] == 8
     assert metrics[0]["eval_reward"] is None  # a file source without eval_source has no eval
 
 
-def test_eval_source_evaluates_a_file_source(tmp_path):
+def test_eval_source_evaluates_a_file_source(tmp_path, one_device_env):
     """data.eval_source: held-out prompts from a file for a file data.source (no eval without)."""
     rows = [{"prompt": f"{n:04d}:", "label": str(n)[0]} for n in range(1000, 1040)]
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
@@ -261,6 +266,7 @@ def test_eval_source_evaluates_a_file_source(tmp_path):
         *TINY,
         f"--config.data.source={train}",
         f"--config.data.eval_source={held_out}",
+        env=one_device_env,
     )
     assert 0.0 <= metrics[0]["eval_reward"] <= 1.0 and "final_eval_reward" in metrics[0]
 
@@ -284,7 +290,7 @@ def test_logprob_mismatch_stops_the_run(tmp_path, capsys):
     assert "exceeds rollout.max_logprob_diff=1e-12" in err, err
 
 
-def test_half_written_checkpoint_is_not_resumed(tmp_path):
+def test_half_written_checkpoint_is_not_resumed(tmp_path, one_device_env):
     run_dir = tmp_path / "run"
     common = (
         *TINY,
@@ -292,17 +298,17 @@ def test_half_written_checkpoint_is_not_resumed(tmp_path):
         "--config.checkpoint_every=1",
         "--config.keep_checkpoints=5",
     )
-    run_train(run_dir, "ppo.py", *common, "--config.stop_after=2")
+    run_train(run_dir, "ppo.py", *common, "--config.stop_after=2", env=one_device_env)
     # what a save killed half-way leaves: orbax's temporary directory for step 3
     partial = run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000"
     (partial / "actor_params").mkdir(parents=True)
     (partial / "actor_params" / "garbage").write_bytes(b"\x00" * 16)
-    rows = run_train(run_dir, "ppo.py", *common)
+    rows = run_train(run_dir, "ppo.py", *common, env=one_device_env)
     assert [r["update"] for r in rows] == [0, 1, 2]
     assert (run_dir / "checkpoints" / "3").is_dir()
 
 
-def test_bf16_compute_trains(tmp_path):
+def test_bf16_compute_trains(tmp_path, one_device_env):
     rows = run_train(
         tmp_path / "run",
         "grpo.py",
@@ -311,6 +317,7 @@ def test_bf16_compute_trains(tmp_path):
         "--config.model.compute_dtype=bfloat16",
         "--config.rollout.max_new_tokens=3",
         "--config.data.reward=tests.train.rewards:char_code_reward",
+        env=one_device_env,
     )
     assert len(rows) == 2
     for row in rows:  # within the bf16 default bound, and a real gradient

@@ -10,11 +10,14 @@ without AVX-512: XLA's CPU code, and so the last bits of every number, depend on
 the warm start stops after 64 steps with the greedy eval reward at 0.43, and after 60 updates it
 stood at 0.80 (GRPO), 0.83 (PPO), 0.79 (DPPO) and 0.77 (Flow-DPPO), lifts of 0.34-0.40. Greedy
 decoding on fixed prompts and a bitwise-deterministic run make the lift a fixed number for a
-fixed program: a lift under MARGIN means the learning got worse, not noise."""
+fixed program: a lift under MARGIN means the learning got worse, not noise. The runs compile with
+XLA's default optimisation, as a user's do (not the session's fast compile, tests/xla.py): their
+cost is execution."""
 
 import pytest
 
 from tests.train.helpers import run_train
+from tests.xla import with_default_compiler
 
 USES_REAL_ENGINES = False  # trainer processes only: its own xdist group (conftest)
 MARGIN = 0.15
@@ -32,7 +35,7 @@ def test_warm_started_reverse_is_lifted_by_rl(tmp_path, algorithm, one_device_en
         "--config.checkpoint_every=None",
         "--config.progress=false",
         "--config.curves=false",  # no test here reads curves.png
-        env=one_device_env,
+        env=with_default_compiler(one_device_env),
         timeout=1200,
     )
     assert len(rows) == LIFT_UPDATES

@@ -132,8 +132,11 @@ def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_en
 
 
 def _config(*overrides):
+    """ppo.py with TINY's overrides, then `overrides` ((key, value) pairs), as the command line
+    would apply them."""
     cfg = load_config_file("ppo.py")
-    for key, value in overrides:  # as --config.key=value would
+    tiny = (arg.removeprefix("--config.").split("=", 1) for arg in TINY)
+    for key, value in (*tiny, *overrides):
         apply_override(cfg, key, str(value))
     return cfg
 
