@@ -2,7 +2,7 @@
 than running them: XLA's CPU backend compiles without LLVM's optimisation passes
 (`--xla_backend_optimization_level=0`: the same HLO, a fifth to two fifths less CPU per
 compiling test, measured on the learner and trainer tests). The runs whose cost is execution (the
-learning runs: hundreds of updates) keep XLA's default, which runs them faster."""
+learning runs: a warm start and 60 updates) keep XLA's default, which runs them faster."""
 
 from jaxloop.launch import process_env
 
