@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.xla import process_env
+from jaxloop.launch import process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,6 @@ than running them: XLA's CPU backend compiles without LLVM's optimisation passes
 compiling test, measured on the learner and trainer tests). The runs whose cost is execution (the
 learning runs: a warm start and 60 updates) keep XLA's default, which runs them faster."""
 
-from jaxloop.launch import process_env
-
 DEVICES = 8  # the fake CPU devices of the sharding tests
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 SESSION_FLAGS = f"--xla_force_host_platform_device_count={DEVICES} {FAST_COMPILE}"
@@ -16,6 +14,3 @@ def with_default_compiler(env: dict) -> dict:
     than they compile."""
     flags = [f for f in env.get("XLA_FLAGS", "").split() if f != FAST_COMPILE]
     return {**env, "XLA_FLAGS": " ".join(flags)}
-
-
-__all__ = ["DEVICES", "FAST_COMPILE", "SESSION_FLAGS", "process_env", "with_default_compiler"]
