@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conversion.to_hf import main as to_hf
-from jaxloop.config import apply_override, load_config_file
+from jaxloop.config import parse_args
 from jaxloop.io.hf import checkpoint_files, read_safetensors
 from jaxloop.parallel import mesh as shd
 from jaxloop.train.build import actor_config
@@ -131,20 +131,15 @@ def test_checkpoint_moves_between_meshes(tmp_path, algorithm, env, one_device_en
             _assert_close(got, want[role], f"{algorithm} resumed on {name} {role}")
 
 
-def _config(*overrides):
-    """ppo.py with TINY's overrides, then `overrides` ((key, value) pairs), as the command line
-    would apply them."""
-    cfg = load_config_file("ppo.py")
-    tiny = (arg.removeprefix("--config.").split("=", 1) for arg in TINY)
-    for key, value in (*tiny, *overrides):
-        apply_override(cfg, key, str(value))
-    return cfg
+def _config(*overrides: str):
+    """ppo.py with TINY's and then these `--config.key=value`, parsed as the command line is."""
+    return parse_args(["--config", "ppo.py", *TINY, *overrides])
 
 
 def test_fsdp8_shards_parameter_bytes():
     """With fsdp=8 no device holds more than 1/8 of the actor's, the critic's or the optimizer
     state's bytes plus the replicated vectors; on one device the same check fails."""
-    cfg = _config(("mesh.fsdp", 8))
+    cfg = _config("--config.mesh.fsdp=8")
     model_cfg = actor_config(cfg)
     training = TrainSetup(cfg, model_cfg, shd.make_mesh(fsdp=8))
     state = training.fresh_state()
@@ -202,7 +197,7 @@ def test_embedded_sampler_generates_with_the_trainer_arrays(tmp_path):
     from jaxloop.rollout.types import PromptRequest, SamplingConfig
     from jaxloop.train.loop import Trainer
 
-    cfg = _config(("mesh.fsdp", 8), ("run_dir", str(tmp_path / "run")))
+    cfg = _config("--config.mesh.fsdp=8", f"--config.run_dir={tmp_path / 'run'}")
     trainer = Trainer(cfg)
     try:
         trainer.publish()
