@@ -11,7 +11,7 @@ The run dir holds the actor like a training run's (`checkpoints/<step>/actor_par
 `actor_config.json`), so it is a `model.init_checkpoint` for `jaxloop.train` (the critic copies its
 backbone) and `conversion.to_hf` exports it.
 
-A training run can do the same steps first: `warm_start.sft_steps = N` (see `warm_start`).
+A training run can do the same steps first: `warm_start.sft_steps = N` (train/warm_start.py).
 SFT reads the keys of `SFT_KEYS`; overriding any other key on the command line is refused (it
 would be silently ignored).
 """
@@ -25,29 +25,25 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
-from jaxloop.data.datasets import DataError, make_eval_examples, make_source
 from jaxloop.io.hf import abstract_model
 from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
 from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
-from jaxloop.rl.optim import make_optimizer
-from jaxloop.rl.sft import (
-    SFTBatch,
-    SFTStepper,
-    answer_budget,
-    sft_batch,
-    sft_seq_len,
-    sft_sequences,
-)
+from jaxloop.rl.sft import SFTStepper
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.producer import RolloutProducer, derive_seed
 from jaxloop.train.checkpoint import TrainCheckpointer
+from jaxloop.train.guards import check_model_source, check_writable, run_cleaning_up
+from jaxloop.train.warm_start import (
+    WARM_START_SEED,
+    SFTData,
+    sft_optimizer,
+)
 
 # what `python -m jaxloop.sft` reads (a section name covers its keys)
 SFT_KEYS = (
@@ -85,126 +81,6 @@ SFT_KEYS = (
 SFT_RESUME_FREE = ("sft.steps", "rollout.max_new_tokens")
 SFT_RESUME_FIXED = ("data.max_prompt_tokens",)
 SFT_PROGRESS_KEYS = ("sft_loss", "sft_token_accuracy", "eval_accuracy")
-WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
-PROBE_SEED = 0x9B0  # the probe's train prompts (no validation left): apart from the SFT data
-
-
-def sft_optimizer(cfg, steps: int):
-    """The SFT optimizer: optim's family and settings at the constant sft.lr."""
-    o = cfg.optim
-    return make_optimizer(
-        o.name, cfg.sft.lr, "constant", 0, steps, o.weight_decay, o.b1, o.b2, o.grad_clip
-    )
-
-
-class SFTData:
-    """Batches of `sft_batch` from a prompt source, in one row length; a resumable cursor."""
-
-    def __init__(self, data: dict, tokenizer, max_prompt_tokens: int, batch_size: int):
-        self.source = make_source(data)
-        self.tokenizer, self.batch_size = tokenizer, batch_size
-        self.seq_len = sft_seq_len(max_prompt_tokens, answer_budget(self.source, tokenizer))
-
-    def next_batch(self) -> SFTBatch:
-        prompts, answers = sft_sequences(self.tokenizer, self.source.next_batch(self.batch_size))
-        try:
-            return sft_batch(prompts, answers, self.seq_len)
-        except ValueError as err:
-            raise DataError(
-                f"sft: {err} (data.max_prompt_tokens + the longest label + EOS)"
-            ) from None
-
-    def state(self) -> dict:
-        return self.source.state()
-
-    def restore(self, state: dict) -> None:
-        self.source.restore(state)
-
-
-def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
-    """What `warm_start.stop_at_reward` is measured on: up to `n` held-out prompts past the
-    `eval_prompts` that evaluation reports (a validation set: neither trained on nor reported),
-    or, where the held-out set has none left, `n` train-split prompts in their own fixed order."""
-    validation = make_eval_examples(data, eval_prompts + n)[eval_prompts:]
-    return validation or make_source({**data, "seed": derive_seed(seed, PROBE_SEED)}).next_batch(n)
-
-
-def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
-    """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
-    `actor_params` (donated); with `warm_start.stop_at_reward` set it stops after the first step
-    whose greedy reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
-    that value, so the RL run starts from a model that answers partly right, whatever the seed.
-    Returns the warm-started actor parameters and the metrics of the warm start (steps run,
-    greedy eval reward before and after it, the last probe reward and loss, seconds)."""
-    ws = cfg.warm_start
-    steps = ws.sft_steps
-    mesh, shardings = setup.mesh, setup.shardings
-    tx = sft_optimizer(cfg, steps)
-    graphdef = nnx.split(setup.actor_abstract)[0]
-    opt_sharding = None
-    if mesh is not None:
-        from jaxloop.rl.state import opt_shardings
-
-        opt_sharding = opt_shardings(
-            tx, abstract_params(setup.actor_abstract), shardings.actor_params, mesh
-        )
-    stepper = SFTStepper(
-        graphdef,
-        tx,
-        cfg.micro_batch_size,
-        mesh=mesh,
-        params_sharding=shardings.actor_params,
-        opt_sharding=opt_sharding,
-    )
-    data_cfg = {**producer.settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
-    data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
-    probe = None
-    if ws.stop_at_reward is not None:
-        probe = probe_examples(producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
-    started = time.perf_counter()
-    config = setup.actor_abstract.config
-
-    def publish(params):
-        producer.publish(Policy(setup.policy_of(params), 0, config))
-
-    publish(actor_params)
-    before = producer.evaluate()
-    bar = progress(
-        total=steps,
-        desc="warm start (sft)",
-        keys=("sft_loss", "sft_token_accuracy", "probe_reward"),
-        disable=None if cfg.progress and jax.process_index() == 0 else True,
-    )
-    last: dict = {}
-    steps_run = 0
-    try:
-        opt_state = stepper.init(actor_params, opt_sharding)
-        for step in range(1, steps + 1):
-            actor_params, opt_state, metrics = stepper.step(
-                actor_params, opt_state, data.next_batch()
-            )
-            last.update(shd.metrics_to_host(metrics))
-            steps_run = step
-            if probe is not None:
-                publish(actor_params)
-                last["probe_reward"] = float(np.mean(producer.eval_rewards(examples=probe)))
-            bar.step(last)
-            if probe is not None and last["probe_reward"] >= ws.stop_at_reward:
-                break
-    finally:
-        bar.close()
-    publish(actor_params)
-    after = producer.evaluate()
-    metrics = {
-        "warm_start_sft_steps": float(steps_run),
-        "warm_start_eval_before": before,
-        "warm_start_eval_after": after,
-        "warm_start_sft_loss": last.get("sft_loss", float("nan")),
-        "warm_start_seconds": time.perf_counter() - started,
-    }
-    if probe is not None:
-        metrics["warm_start_probe_reward"] = last.get("probe_reward", float("nan"))
-    return actor_params, metrics
 
 
 # ---- python -m jaxloop.sft ----
@@ -423,7 +299,6 @@ def _abstract_sft_state(actor_abstract, tx):
 def sft_preflight(cfg) -> None:
     """The model source and its rules, data, tokenizer and prompt lengths, before anything is
     built or written."""
-    from jaxloop.train.cli import check_model_source
     from jaxloop.train.setup import producer_settings
 
     check_model_source(cfg)
@@ -439,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxloop.sft`, behind the entry points' one exception boundary
     (jaxloop/errors.py): a user error is one line and exit code 2 (what a fresh start had created
     is removed again), anything else keeps its traceback."""
-    from jaxloop.train.cli import run_cleaning_up
 
     argv = sys.argv[1:] if argv is None else argv
     return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
@@ -448,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], cleanup: list) -> int:
     from jaxloop.summary import finish_report
     from jaxloop.train.checkpoint import FreshStartCleanup, check_fresh_start
-    from jaxloop.train.cli import check_writable
 
     started = time.perf_counter()
     run = None

@@ -1,4 +1,4 @@
-"""The import rule: each layer imports only the layers below it.
+"""The import rule: each layer imports only the layers below it, and no modules import one another.
 
     base (errors, registry, ...) <- families, data, parallel <- models <- io
         <- rl, rollout (siblings: neither imports the other) <- config <- train
@@ -177,3 +177,72 @@ def test_a_layer_imports_alone(layer):
 def _sibling(layer: str, module: str) -> bool:
     other = layer_of(module)
     return other != layer and RANK[other] == RANK[layer]
+
+
+# ---- no import cycle between modules, no module past MAX_MODULE_LINES ----
+MAX_MODULE_LINES = 600
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the jaxloop modules it imports (module level and inside functions: an import
+    deferred into a function to dodge a circle at import time is still a dependency)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        graph[importer] = {m for m in imported_modules(path) if m != importer}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_no_import_cycle():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles (each a set of modules that import one another):\n" + (
+        "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_the_cycle_check_catches_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_is_short():
+    long = {
+        module_name(p): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) >= MAX_MODULE_LINES
+    }
+    assert not long, f"modules of {MAX_MODULE_LINES} lines or more (split them): {long}"

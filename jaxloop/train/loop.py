@@ -178,7 +178,7 @@ class Trainer:
         """warm_start.sft_steps SFT steps on the fresh actor; the state is then built around
         the warm-started actor (critic backbone and reference copied from it, fresh optimizer
         states). Its metrics go into update 0's row."""
-        from jaxloop.sft import warm_start
+        from jaxloop.train.warm_start import warm_start
 
         actor = self.state.actor_params
         self.state = self.state.replace(actor_params=None)

@@ -216,7 +216,7 @@ def test_warm_start_stops_at_the_validation_reward(tmp_path):
 def test_warm_start_probe_is_a_validation_set():
     from jaxloop.data.datasets import make_eval_examples
     from jaxloop.data.tasks import BuiltinTask, prompt_split
-    from jaxloop.sft import probe_examples
+    from jaxloop.train.warm_start import probe_examples
 
     data = {"source": "builtin", "task": "reverse", "num_digits": 3, "seed": 0}
     probe = probe_examples(data, eval_prompts=64, seed=0, n=64)

@@ -1,0 +1,86 @@
+"""Checks and the error boundary that the entry points (`jaxloop.train`, `jaxloop.sft`) share:
+the model source, a writable run dir, and user errors that undo a fresh start."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from jaxloop import errors
+from jaxloop.config import UsageError
+from jaxloop.io.run_dir import checkpoint_steps
+from jaxloop.models import ConfigError, LoopedConfig
+from jaxloop.train.build import actor_config
+from jaxloop.train.checkpoint import FreshStartCleanup
+
+
+def stored_vocab_size(cfg) -> int:
+    """The vocabulary of the model a run starts from, read from its config file (dry run: no
+    model is built); the config's model.vocab_size for the built-in model."""
+    m = cfg.model
+    for path in (
+        Path(m.hf_dir) / "config.json" if m.hf_dir else None,
+        Path(m.init_checkpoint) / "actor_config.json" if m.init_checkpoint else None,
+    ):
+        if path is not None and path.is_file():
+            try:
+                return int(json.loads(path.read_text())["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"{path}: no integer vocab_size") from None
+    return int(m.vocab_size)
+
+
+def check_model_source(cfg) -> LoopedConfig:
+    """model.init_checkpoint holds a checkpoint, and the model's own rules hold (query heads
+    divisible by key/value heads, an even head_dim, ...): the actor's LoopedConfig. Reads only;
+    a dry run makes these checks too (train and sft)."""
+    if cfg.model.init_checkpoint and not checkpoint_steps(cfg.model.init_checkpoint):
+        raise UsageError(
+            f"model.init_checkpoint={cfg.model.init_checkpoint!r} holds no checkpoint "
+            "(checkpoints/<step>/): give a run dir written by jaxloop.train, jaxloop.sft or "
+            "conversion.from_hf"
+        )
+    return actor_config(cfg)
+
+
+def check_writable(run_dir) -> None:
+    """UsageError unless a file can be created, written and synced in run_dir (a new one: in its
+    nearest existing parent); the probe file is removed. A read-only or full file system fails
+    here, before anything is written."""
+    path = Path(run_dir).resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"run_dir {str(path)!r} exists and is not a directory")
+    where = path
+    while not where.exists():
+        where = where.parent
+    probe = where / f".jaxloop-write-probe-{os.getpid()}"
+    times = where.stat()
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise UsageError(
+            f"run_dir {str(path)!r} is not writable: {err.strerror or err} (in {where})"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+            os.utime(where, ns=(times.st_atime_ns, times.st_mtime_ns))  # the probe leaves no trace
+
+
+def run_cleaning_up(body) -> int:
+    """`body(cleanup)` behind the entry points' boundary (jaxloop/errors.py); `body` appends a
+    FreshStartCleanup for every fresh start it makes, and a user error undoes them all."""
+    cleanup: list[FreshStartCleanup] = []
+
+    def undo(err) -> None:
+        for fresh in cleanup:
+            fresh.undo(err)
+
+    return errors.run_entry_point(lambda: body(cleanup), on_user_error=undo)
