@@ -2,7 +2,8 @@
 
 Greedy reward and pass@k of a trained checkpoint on a prompt set, with the run's reward: what a
 user runs after training. Reads `RUN_DIR/config.json` (written by `jaxloop.train`) for the data,
-tokenizer, reward and sampling settings, restores the actor of step N (default: the latest) and
+tokenizer, reward and sampling settings, restores the actor of step N (default: the latest; `best`:
+the step of the best eval_reward, recorded by `--config.keep_best_checkpoint=true`) and
 generates with the embedded sampler through the same `RolloutProducer` the trainer evaluates with,
 so the greedy reward is the trainer's `eval_reward` of that checkpoint.
 
@@ -45,10 +46,26 @@ class _Parser(argparse.ArgumentParser):
         raise EvalUsageError(message)
 
 
+def _step(value: str) -> int | str:
+    if value in ("best", "latest"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a step, latest or best (got {value!r})"
+        ) from None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = _Parser(prog="python -m jaxloop.evaluate", add_help=False)
     ap.add_argument("--checkpoint", required=True, help="a run dir written by jaxloop.train")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument(
+        "--step",
+        type=_step,
+        default=None,
+        help="checkpoint step N, latest (the default) or best (keep_best_checkpoint's record)",
+    )
     ap.add_argument("--data", default="", help="JSONL / Parquet of {prompt, label} to evaluate on")
     ap.add_argument("--samples", type=int, default=0, help="K: samples per prompt for pass@K")
     ap.add_argument("--prompts", type=int, default=0, help="evaluate on the first N prompts")
@@ -62,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise EvalUsageError(f"--prompts must be >= 1 (got {args.prompts})")
     if args.temperature < 0 or args.max_new_tokens < 0:
         raise EvalUsageError("--temperature and --max-new-tokens must be > 0")
-    if args.step is not None and args.step < 0:
+    if isinstance(args.step, int) and args.step < 0:
         raise EvalUsageError(f"--step must be >= 0 (got {args.step})")
     return args
 
@@ -176,7 +193,16 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise EvalUsageError(f"{run_dir} holds no checkpoint")
-    step = steps[-1] if args.step is None else args.step
+    step = steps[-1] if args.step in (None, "latest") else args.step
+    if step == "best":
+        from jaxloop.train.checkpoint import best_checkpoint
+
+        best = best_checkpoint(run_dir)
+        if best is None:
+            raise EvalUsageError(
+                f"{run_dir} has no best checkpoint (train with --config.keep_best_checkpoint=true)"
+            )
+        step = best["step"]
     if step not in steps:
         raise EvalUsageError(f"{run_dir} has no checkpoint at step {step} (steps: {steps})")
     model = restore_model(

@@ -192,6 +192,15 @@ class RunConfig:
     keep_checkpoints: int = knob(
         2, "checkpoints kept (>= 1; older ones are deleted)", count(1), resume=FREE
     )
+    keep_best_checkpoint: bool = knob(
+        False,
+        (
+            "also keep the checkpoint of the best greedy eval_reward so far (saved when an "
+            "evaluation beats it, never deleted by keep_checkpoints), recorded in "
+            "<run_dir>/best_checkpoint.json; `jaxloop.evaluate --step best` reads it"
+        ),
+        resume=FREE,
+    )
     eval_every: int | None = knob(
         10,
         (

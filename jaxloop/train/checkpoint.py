@@ -30,7 +30,13 @@ import orbax.checkpoint as ocp
 
 from jaxloop.config import RESUME_FREE_KEYS, UsageError, upgrade_stored
 from jaxloop.io import run_dir as layout
-from jaxloop.io.orbax import check_step, older_step_offer, read_config, write_config
+from jaxloop.io.orbax import (
+    check_step,
+    older_step_offer,
+    read_config,
+    write_config,
+    write_text_atomic,
+)
 from jaxloop.io.run_dir import (
     ARRAY_ITEMS,
     CHECKPOINT_DIR,
@@ -52,13 +58,41 @@ def _abstract(tree, shardings):
     )
 
 
+BEST_FILE = "best_checkpoint.json"  # {"step", "eval_reward"}: keep_best_checkpoint's record
+
+
+def best_checkpoint(run_dir: str | Path) -> dict | None:
+    """The run's best-eval record (`keep_best_checkpoint`), or None when it has none."""
+    path = Path(run_dir) / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_best_checkpoint(run_dir: str | Path, step: int, eval_reward: float) -> None:
+    """Record `step` (a saved checkpoint) as the run's best by greedy eval reward."""
+    record = {"step": int(step), "eval_reward": float(eval_reward)}
+    write_text_atomic(Path(run_dir) / BEST_FILE, json.dumps(record) + "\n")
+
+
+class _LatestAndBest:
+    """Orbax preservation: the latest `keep` steps and the recorded best step (read at each
+    deletion, so keep_checkpoints never deletes the best)."""
+
+    def __init__(self, keep: int, run_dir: Path):
+        self.latest, self.run_dir = ocp.checkpoint_managers.LatestN(n=keep), run_dir
+
+    def should_preserve(self, checkpoints, *, context):
+        keep = self.latest.should_preserve(checkpoints, context=context)
+        best = (best_checkpoint(self.run_dir) or {}).get("step")
+        return [k or c.step == best for k, c in zip(keep, checkpoints, strict=True)]
+
+
 class TrainCheckpointer:
     def __init__(self, run_dir: str | Path, keep: int = 2):
         self.run_dir = Path(run_dir).resolve()
         self.manager = ocp.CheckpointManager(
             self.run_dir / CHECKPOINT_DIR,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
+                preservation_policy=_LatestAndBest(keep, self.run_dir),
                 create=True,
                 enable_async_checkpointing=False,
                 todelete_subdir=digests.TRASH_DIR,

@@ -19,11 +19,18 @@ from jaxloop.parallel import distributed
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.batch import RolloutBatch
+from jaxloop.rl.group_stats import reward_group_stats
 from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.pipeline import RolloutPipeline
 from jaxloop.rollout.producer import build_tokenizer
 from jaxloop.train.build import actor_config
-from jaxloop.train.checkpoint import TrainCheckpointer, check_fresh_start, check_resume
+from jaxloop.train.checkpoint import (
+    TrainCheckpointer,
+    best_checkpoint,
+    check_fresh_start,
+    check_resume,
+    write_best_checkpoint,
+)
 from jaxloop.train.consistency import (
     check_engine_logprobs,
     check_loop_budget,
@@ -107,6 +114,7 @@ class Trainer:
             else _NoMetrics()
         )
         self.warned_constant_values = False
+        self.pending_best = None  # keep_best_checkpoint: the final eval's, saved at "saved"
         self.features = self._feature_writer(settings, model_cfg)
         self.logprob_bound = logprob_bound(cfg)
         self.hooks = Hooks(self._hooks())
@@ -263,6 +271,9 @@ class Trainer:
         if not samples:
             raise DataError(f"update {update}: every sample was dropped (non-finite rewards)")
         metrics.update(staleness(samples, self.version))
+        if self.algo.requires_groups:  # the share of groups that carry no signal, and more
+            rewards = [s.reward for s in samples]
+            metrics.update(reward_group_stats(rewards, [s.group_id for s in samples]))
         return samples
 
     def loop_budget(self, update: int, samples, metrics: dict) -> int:
@@ -370,11 +381,31 @@ class Trainer:
     # ---- hooks ----
     def _evaluate(self, step: Step) -> None:
         step.metrics["eval_reward"] = self.producer.evaluate()
+        self._note_best(step.update, step.metrics["eval_reward"], saved_next=False)
 
     def _final_evaluate(self, step: Step) -> None:
         step.metrics["final_eval_reward"] = self.producer.evaluate()
+        # the last update's checkpoint is saved right after ("saved" runs last=stop_at)
+        self._note_best(step.update + 1, step.metrics["final_eval_reward"], saved_next=True)
         # an engine restarted during the final evaluation is counted in the last row too
         step.metrics.update(self.producer.stats())
+
+    def _note_best(self, at_step: int, reward: float, saved_next: bool) -> None:
+        """keep_best_checkpoint: an eval of the policy after `at_step` updates that beats the
+        recorded best is saved (unless it is already, or `saved_next`: the run's last save
+        follows) and becomes the record (written once its checkpoint exists)."""
+        if not self.cfg.keep_best_checkpoint or reward != reward:  # NaN: never the best
+            return
+        best = best_checkpoint(self.run_dir)
+        if best is not None and reward <= best["eval_reward"]:
+            return
+        if saved_next:
+            self.pending_best = (at_step, reward)
+            return
+        if at_step not in checkpoint_steps(self.run_dir):
+            self._save(Step(at_step, {}))
+        if self.is_main:
+            write_best_checkpoint(self.run_dir, at_step, reward)
 
     def _write_features(self, step: Step) -> None:
         # every process runs the same programs (SPMD); only process 0 writes the features
@@ -414,3 +445,6 @@ class Trainer:
                 },
             },
         )
+        pending, self.pending_best = self.pending_best, None
+        if pending is not None and pending[0] == self.state.update_count and self.is_main:
+            write_best_checkpoint(self.run_dir, *pending)

@@ -43,3 +43,42 @@ def test_warm_started_reverse_is_lifted_by_rl(tmp_path, algorithm, one_device_en
     assert rows[0]["warm_start_eval_after"] == start  # update 0 evaluates the warm-started actor
     assert start <= 0.5, start  # the warm start leaves room: RL does the lifting
     assert final >= start + MARGIN, (algorithm, start, final)
+
+
+def test_best_checkpoint_is_kept_and_evaluated(tmp_path, capsys):
+    """keep_best_checkpoint: the step of the best eval is recorded and survives keep_checkpoints=1
+    (every other older step is deleted); `evaluate --step best` restores it and gives the same
+    greedy reward; the per-update rows carry the group diagnostics."""
+    import json
+
+    from jaxloop.evaluate import main as evaluate
+    from jaxloop.io.run_dir import checkpoint_steps
+    from jaxloop.train.checkpoint import best_checkpoint
+    from tests.train.helpers import TINY
+
+    run_dir = tmp_path / "run"
+    rows = run_train(
+        run_dir,
+        "grpo.py",
+        *TINY,
+        "--config.data.task=reverse",
+        "--config.data.num_digits=3",
+        "--config.rollout.max_new_tokens=4",
+        "--config.data.reward=format",  # partial credit: the groups' rewards differ
+        "--config.eval_prompts=16",
+        "--config.total_updates=4",
+        "--config.eval_every=1",
+        "--config.checkpoint_every=1",
+        "--config.keep_checkpoints=1",
+        "--config.keep_best_checkpoint=true",
+        "--config.optim.lr=3e-2",  # large steps: the evals move
+    )
+    evals = [r["eval_reward"] for r in rows] + [rows[-1]["final_eval_reward"]]
+    best = best_checkpoint(run_dir)
+    first_best = max(range(len(evals)), key=lambda i: (evals[i], -i))
+    assert best == {"step": first_best, "eval_reward": evals[first_best]}, evals
+    assert checkpoint_steps(run_dir) == sorted({first_best, 4}), evals
+    assert all(0.0 <= r["equal_reward_groups"] <= 1.0 for r in rows)
+    assert evaluate(["--checkpoint", str(run_dir), "--step", "best"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == first_best and result["greedy_reward"] == best["eval_reward"]
