@@ -78,6 +78,15 @@ def _response_positions(samples):
     ]
 
 
+def assert_logprobs_match(recomputed, behaviour, mask):
+    """3e-6 relative (floor 1): a sampled token's log-prob plus its exit's (-4 to -9 here) is a
+    sum the decode and the replay accumulate in fp32 a few ulps apart; how many ulps depends on
+    the processor and on XLA's optimisation level (the session compiles at level 0)."""
+    diff = np.abs(np.asarray(recomputed) - behaviour) * mask
+    scale = np.maximum(1.0, np.abs(behaviour))
+    assert (diff / scale).max() <= 3e-6, (diff.max(), (diff / scale).max())
+
+
 def test_threshold_exits_where_the_cumulative_exit_probability_reaches_it(engine):
     samples = engine.generate(_requests(), _sampling("threshold"))
     batch = RolloutBatch.from_samples(samples, [0.0] * len(samples), num_loops=LOOPS)
@@ -97,8 +106,7 @@ def test_threshold_exits_where_the_cumulative_exit_probability_reaches_it(engine
                 replay_probs[:depth, i, pos], probs[:depth], rtol=1e-5, atol=1e-7
             )
     assert seen - {LOOPS} and len(seen) >= 2, seen  # the gate exits early, at several depths
-    diff = np.abs(lp - batch.behav_logprobs) * batch.response_mask
-    assert diff.max() <= 3e-6, diff.max()
+    assert_logprobs_match(lp, batch.behav_logprobs, batch.response_mask)
 
 
 def test_sample_mode_draws_depths_from_the_exit_distribution_with_the_seed(engine):
@@ -123,8 +131,7 @@ def test_sample_mode_draws_depths_from_the_exit_distribution_with_the_seed(engin
         assert abs(got - want) <= 3e-6 * max(1.0, abs(want))
     # token + exit log-probs: the engine's behaviour equals the trainer's recompute
     assert batch.exit_mask.sum() > 0
-    diff = np.abs(lp - batch.behav_logprobs) * batch.response_mask
-    assert diff.max() <= 3e-6, diff.max()
+    assert_logprobs_match(lp, batch.behav_logprobs, batch.response_mask)
 
 
 @pytest.mark.parametrize("depth_as_action", [False, True])
@@ -151,7 +158,7 @@ def test_gate_gradients_only_with_depth_as_action(engine, depth_as_action):
     batch = batch.replace(old_logprobs=learner.old_logprobs(train_state, batch))
     # the recompute includes the exit log-probs exactly when the engine's behaviour does
     old = np.asarray(batch.old_logprobs)
-    assert (np.abs(old - arrays.behav_logprobs) * arrays.response_mask).max() <= 3e-6
+    assert_logprobs_match(old, arrays.behav_logprobs, arrays.response_mask)
     new_state, metrics = learner.update(train_state, batch)
     assert metrics["grad_norm"] > 0
     moved = {
