@@ -10,6 +10,14 @@ exports what the peers need to do the same work:
   OUT/tokenizer.json  jaxloop's char tokenizer ids (pad, bos, eos, alphabet, vocab size)
   OUT/reference.npz   jaxloop's fp32 logits for 4 sequences of 42 tokens: trl_grpo.py refuses
                       to train unless its model reproduces them
+  OUT/eval.json       the `eval_prompts` held-out prompts jaxloop's greedy eval scores (the
+                      producer's make_eval_examples), in order, with labels and token ids
+  OUT/warm_start.json with --warm: the warm start's metrics (steps, eval before and after)
+
+--warm: OUT/model/ is the actor after jaxloop's warm start for that command line (the same
+Trainer code path as a training run: train/loop.py run_warm_start), not the actor at init; a
+jaxloop run started from it (--config.model.hf_dir=OUT/model, warm start off) and the peers then
+start from one model.
 
 Matched: model function and initial weights (TRL), prompt strings and order, token ids.
 
@@ -24,6 +32,32 @@ import sys
 from pathlib import Path
 
 
+def warm_started_actor(cfg, out: Path):
+    """The actor after jaxloop's warm start for `cfg` (a Trainer in OUT/warm_run: the same
+    fresh state, producer and warm_start call as a training run); its metrics go to
+    OUT/warm_start.json."""
+    import shutil
+
+    from jaxloop.train.loop import Trainer
+
+    run_dir = out / "warm_run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.run_dir = str(run_dir)
+        cfg.progress = False
+    trainer = Trainer(cfg)
+    try:
+        model = trainer.setup.actor_model(trainer.state)
+    finally:
+        trainer.pipeline.close()
+        trainer.producer.close()
+        trainer.checkpointer.close()
+        trainer.metrics.close()
+    (out / "warm_start.json").write_text(json.dumps(trainer.warm_start))
+    return model
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -32,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--updates", type=int, required=True)
+    ap.add_argument("--warm", action="store_true", help="export the actor after the warm start")
     args = ap.parse_args(argv[:split])
     train_argv = argv[split + 1 :]
 
@@ -40,7 +75,7 @@ def main() -> int:
     import numpy as np
 
     from jaxloop.config import parse_args
-    from jaxloop.data.datasets import make_source
+    from jaxloop.data.datasets import make_eval_examples, make_source
     from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer
     from jaxloop.io.hf import save_hf
     from jaxloop.train.build import build_actor
@@ -50,7 +85,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model = build_actor(cfg, actor_seed(cfg))  # the same init as a training run's fresh state
+    if args.warm:
+        model = warm_started_actor(cfg, out)
+    else:
+        model = build_actor(cfg, actor_seed(cfg))  # the same init as a training run's fresh state
     save_hf(model, out / "model", dtype="float32", overwrite=True)
 
     source = make_source(producer_settings(cfg, True).data)
@@ -73,6 +111,16 @@ def main() -> int:
         "vocab_size": tok.vocab_size,
     }
     (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    held_out = make_eval_examples(producer_settings(cfg, True).data, cfg.eval_prompts)
+    evals = [
+        {
+            "prompt": ex.prompt,
+            "label": ex.label,
+            "ids": tok.encode_prompt(tok.format_prompt(ex.prompt)),
+        }
+        for ex in held_out
+    ]
+    (out / "eval.json").write_text(json.dumps(evals, indent=0))
 
     # reference logits: 4 sequences of a prompt and 32 random continuation ids
     rng = np.random.default_rng(0)
