@@ -227,17 +227,17 @@ def main() -> int:
         print(f"error: --systems {args.systems}: {err}", file=sys.stderr)
         return 2
     peers = [s for s in systems if s != "jaxloop"]
-    for peer in peers:
-        why = peer_python_error(peer, getattr(args, f"{peer}_python"))
-        if why:
-            print(f"error: {why}", file=sys.stderr)
-            return 2
     if peers and "grpo" not in args.algorithms.split(","):
         print(
             "error: --systems with a peer: the peers run GRPO, add grpo to --algorithms",
             file=sys.stderr,
         )
         return 2
+    for peer in peers:
+        why = peer_python_error(peer, getattr(args, f"{peer}_python"))
+        if why:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     tasks = []
     for spec in args.tasks.split(","):
         try:
@@ -248,8 +248,6 @@ def main() -> int:
             return 2
         tasks.append((name, warm))
     seeds = [int(s) for s in args.seeds.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if peers:  # refuse a config TRL cannot mirror before anything runs
         from jaxloop.config import parse_args
 
@@ -258,6 +256,8 @@ def main() -> int:
         except ValueError as err:
             print(f"error: --systems {args.systems}: {err}", file=sys.stderr)
             return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     log = open(out / "results.jsonl", "a")
 
