@@ -4,10 +4,14 @@
         [--dtype auto|bfloat16|float32] [--max-shard-size 5GB] [--step N]
 
 --dtype auto (default) writes the stored parameter dtype; --step defaults to the latest step.
-Tokenizer files in CKPT/tokenizer/ are copied. Parameters are restored to host memory one at a
-time and each one's tensors are streamed to their shard file before the next is read: peak RAM is
-about twice the largest parameter plus the interpreter, whatever the model's size (no model is
-built: jaxloop.io.orbax.export_hf).
+The run's tokenizer goes beside the weights, so the output loads as one HF dir: the files of
+CKPT/tokenizer/ (conversion.from_hf's copy), else those of the HF tokenizer dir the run used
+(its config.json's data.tokenizer, `auto` resolved as the trainer does); and a
+generation_config.json whose eos_token_id lists every EOS id the run stopped at (an int when
+there is one), pad_token_id and bos_token_id (merged over the tokenizer's own file).
+Parameters are restored to host memory one at a time and each one's tensors are streamed to
+their shard file before the next is read: peak RAM is about twice the largest parameter plus the
+interpreter, whatever the model's size (no model is built: jaxloop.io.orbax.export_hf).
 The step's actor_params (or critic_params) are verified against its digests first: a damaged
 step is refused naming the file and the newest older step that verifies (`--step`); a step
 without digests is read unverified, with a warning. Progress bars when stderr is a terminal.
@@ -16,9 +20,12 @@ Errors: one "error: ..." line on stderr, exit code 2, and no output directory.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 from conversion._cli import OneLineParser, UsageError, check_out_dir, run, show_progress
 
@@ -32,6 +39,71 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, 2GiB or bytes")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     return p.parse_args(argv)
+
+
+def run_tokenizer_dir(run_dir: Path) -> Path | None:
+    """The HF tokenizer dir of a run: run_dir/tokenizer/ when it holds one, else the run's
+    data.tokenizer from its config.json (None: the char tokenizer, or no config.json)."""
+    from jaxloop.io.run_dir import CONFIG_FILE, TOKENIZER_DIR
+    from jaxloop.train.setup import has_hf_tokenizer, tokenizer_spec
+
+    own = run_dir / TOKENIZER_DIR
+    if own.is_dir() and has_hf_tokenizer(own):
+        return own
+    config = run_dir / CONFIG_FILE
+    if not config.is_file():
+        return None
+    try:
+        stored = json.loads(config.read_text())
+        data, model = stored["data"], stored["model"]
+        cfg = SimpleNamespace(
+            data=SimpleNamespace(tokenizer=data.get("tokenizer", "char")),
+            model=SimpleNamespace(
+                hf_dir=model.get("hf_dir", ""), init_checkpoint=model.get("init_checkpoint", "")
+            ),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UsageError(f"{config}: not a jaxloop run config ({err})") from None
+    spec = tokenizer_spec(cfg)
+    if spec == "char":
+        return None
+    if not Path(spec).is_dir():
+        raise UsageError(f"{config}: the run's tokenizer dir {spec!r} is not found")
+    return Path(spec)
+
+
+def write_tokenizer(run_dir: Path, out: Path) -> str:
+    """Copy the run's HF tokenizer into `out` (where export_hf has not already) and write its
+    generation_config.json; returns what was written, in words."""
+    from jaxloop.data.tokenizer import (
+        GENERATION_CONFIG,
+        CharTokenizer,
+        HFTokenizer,
+        TokenizerError,
+    )
+    from jaxloop.io.hf import copy_tokenizer_files
+
+    source = run_tokenizer_dir(run_dir)
+    if source is None:
+        tokenizer, what = CharTokenizer(), "char (not an HF tokenizer: not written)"
+        generation = {}
+    else:
+        copy_tokenizer_files(source, out)
+        try:
+            tokenizer, what = HFTokenizer(source), f"from {source}"
+        except TokenizerError as err:  # copied as they are, but no EOS ids to write
+            print(f"warning: {err}; no {GENERATION_CONFIG} written", file=sys.stderr)
+            return f"files of {source} (not loadable)"
+        file = out / GENERATION_CONFIG
+        generation = json.loads(file.read_text()) if file.is_file() else {}
+    eos = list(tokenizer.eos_ids)
+    generation.update(
+        eos_token_id=eos[0] if len(eos) == 1 else eos,
+        pad_token_id=tokenizer.pad_id,
+        bos_token_id=tokenizer.bos_id,
+    )
+    (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    return f"{what}, EOS ids {eos}"
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -63,10 +135,18 @@ def _main(argv: Sequence[str] | None) -> int:
         overwrite=True,  # only ever an empty dir here (checked above)
         progress=show_progress(),
     )
+    try:
+        tokenizer = write_tokenizer(checkpoint, out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # nothing half-written
+        raise
     dtype = cfg.param_dtype if args.dtype == "auto" else args.dtype
     n = len(list(out.glob("*.safetensors")))
     params = sum(int(np.prod(s)) for s in hf_tensor_shapes(cfg, args.role).values())
-    print(f"wrote {out}: {cfg.family} {args.role}, {params:,} parameters in {dtype}, {n} shard(s)")
+    print(
+        f"wrote {out}: {cfg.family} {args.role}, {params:,} parameters in {dtype}, {n} shard(s), "
+        f"tokenizer {tokenizer}"
+    )
     return 0
 
 

@@ -147,9 +147,9 @@ def eval_settings(cfg, args: argparse.Namespace, vocab_size: int):
         raise EvalUsageError(
             f"the run trained on {data.source!r} without data.eval_source: pass --data FILE"
         )
-    if data.tokenizer != "char" and not Path(data.tokenizer).is_dir():
+    if settings.tokenizer != "char" and not Path(settings.tokenizer).is_dir():
         raise EvalUsageError(
-            f"tokenizer dir {data.tokenizer!r} of the run's data.tokenizer not found"
+            f"tokenizer dir {settings.tokenizer!r} of the run's data.tokenizer not found"
         )
     settings = dataclasses.replace(
         settings,

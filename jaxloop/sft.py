@@ -299,7 +299,8 @@ def _abstract_sft_state(actor_abstract, tx):
 def sft_preflight(cfg) -> None:
     """The model source and its rules, data, tokenizer and prompt lengths, before anything is
     built or written."""
-    from jaxloop.train.setup import producer_settings
+    from jaxloop.train.guards import stored_vocab_size
+    from jaxloop.train.setup import check_tokenizer_fits, producer_settings
 
     check_model_source(cfg)
 
@@ -307,6 +308,7 @@ def sft_preflight(cfg) -> None:
         producer_settings(cfg, requires_groups=False), reward="exact_match"
     )
     producer = RolloutProducer(settings, engine=None)
+    check_tokenizer_fits(settings.tokenizer, producer.tokenizer, stored_vocab_size(cfg))
     SFTData(settings.data, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
 
 

@@ -35,7 +35,13 @@ class DataSection:
     )
     num_digits: int = knob(4, "built-in task: digits per prompt", count(1))
     tokenizer: str = knob(
-        "char", "char (one token per character) or a local HF tokenizer dir", Domain(nonempty=True)
+        "auto",
+        (
+            "auto (the tokenizer of model.hf_dir, or of model.init_checkpoint's tokenizer/, "
+            "when it has one; else char) | char (one token per character) | a local HF "
+            "tokenizer dir"
+        ),
+        Domain(nonempty=True),
     )
     reward: str = knob(
         "exact_match",

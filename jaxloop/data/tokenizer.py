@@ -5,6 +5,8 @@ Both follow the `Tokenizer` protocol:
 - `encode(text)` -> ids, never adding special tokens;
 - `decode(ids)` -> text, dropping pad/bos/eos ids wherever they occur (it does not stop at eos);
 - `pad_id`, `bos_id`, `eos_id`, `vocab_size`;
+- `eos_ids`: every id that ends a response (`eos_id` first, then any other EOS id of the model's
+  `generation_config.json`, which may list several, as Qwen's does);
 - `format_prompt(prompt)` -> the text the model should see (chat template or identity);
 - `encode_prompt(prompt)` -> `[bos] + encode(format_prompt(prompt))`, adding bos only when the
   tokenizer has one and the formatted text does not already start with it;
@@ -24,11 +26,13 @@ from jaxloop.errors import UsageError
 
 __all__ = [
     "CHAR_ALPHABET",
+    "GENERATION_CONFIG",
     "UNUSED_CHAR",
     "CharTokenizer",
     "HFTokenizer",
     "Tokenizer",
     "TokenizerError",
+    "generation_eos_ids",
 ]
 
 
@@ -41,6 +45,7 @@ class Tokenizer(Protocol):
     pad_id: int
     bos_id: int | None
     eos_id: int
+    eos_ids: tuple[int, ...]
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -74,6 +79,7 @@ class CharTokenizer:
     pad_id = 0
     bos_id = 1
     eos_id = 2
+    eos_ids = (2,)
 
     def __init__(self, vocab_size: int = 64):
         need = len(_CHAR_SPECIALS) + len(CHAR_ALPHABET)
@@ -158,8 +164,9 @@ class HFTokenizer:
         self.eos_id = int(tok.eos_token_id)
         self.bos_id = None if tok.bos_token_id is None else int(tok.bos_token_id)
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.eos_ids = tuple(dict.fromkeys([self.eos_id, *generation_eos_ids(path)]))
         self.vocab_size = len(tok)
-        self._skip = {i for i in (self.pad_id, self.bos_id, self.eos_id) if i is not None}
+        self._skip = {i for i in (self.pad_id, self.bos_id, *self.eos_ids) if i is not None}
 
     @property
     def has_chat_template(self) -> bool:
@@ -191,7 +198,7 @@ class HFTokenizer:
             "type": "hf",
             "class": type(tok).__name__,
             "vocab": sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0])),
-            "specials": [self.pad_id, self.bos_id, self.eos_id],
+            "specials": [self.pad_id, self.bos_id, self.eos_id, *self.eos_ids[1:]],
             "chat_template": getattr(tok, "chat_template", None),
         }
         backend = getattr(tok, "backend_tokenizer", None)
@@ -206,6 +213,25 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """The `eos_token_id` of `path/generation_config.json` (an int or a list of ints) as a tuple;
+    () without the file or the key."""
+    file = Path(path) / GENERATION_CONFIG
+    if not file.is_file():
+        return ()
+    try:
+        value = json.loads(file.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as err:
+        raise TokenizerError(f"{file}: not a JSON object ({err})") from None
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TokenizerError(f"{file}: eos_token_id must be an id or a list of ids, got {value!r}")
+    return tuple(values)
 
 
 def _sha256_json(obj) -> str:

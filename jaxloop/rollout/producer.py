@@ -53,6 +53,7 @@ class ProducerSettings:
 
 
 def build_tokenizer(spec: str, vocab_size: int):
+    """'char' (ids spanning `vocab_size`) or the HF tokenizer in the directory `spec`."""
     return CharTokenizer(vocab_size=vocab_size) if spec == "char" else HFTokenizer(spec)
 
 
@@ -91,7 +92,7 @@ class RolloutProducer:
             self.encode(example.prompt)
         self.check_reward(known)
         self.sampling = dataclasses.replace(
-            settings.sampling, stop_token_ids=(self.tokenizer.eos_id,)
+            settings.sampling, stop_token_ids=self.tokenizer.eos_ids
         )
         # evaluation runs every loop, as jaxloop.evaluate measures a checkpoint, and needs no
         # per-loop log-probs
@@ -191,7 +192,7 @@ class RolloutProducer:
         if k < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {k}")
         sampling = self.eval_sampling if sampling is None else sampling
-        sampling = dataclasses.replace(sampling, stop_token_ids=(self.tokenizer.eos_id,))
+        sampling = dataclasses.replace(sampling, stop_token_ids=self.tokenizer.eos_ids)
         requests = [
             PromptRequest(
                 self.encode(ex.prompt),

@@ -17,7 +17,6 @@ import jax
 
 from jaxloop import errors
 from jaxloop.config import UsageError, format_tree, parse_command
-from jaxloop.data.tokenizer import TokenizerError
 from jaxloop.io.run_dir import completed_update
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rollout.producer import RolloutProducer
@@ -32,6 +31,7 @@ from jaxloop.train.guards import (
 )
 from jaxloop.train.loop import Trainer
 from jaxloop.train.setup import (
+    check_tokenizer_fits,
     checked_loss_hparams,
     logprob_bound,
     run_producer_settings,
@@ -76,11 +76,7 @@ def preflight(cfg):
     vocab = stored_vocab_size(cfg)
     settings = run_producer_settings(cfg, algo.requires_groups, vocab)
     producer = RolloutProducer(settings, engine=None)  # the data / tokenizer / reward errors
-    if producer.tokenizer.vocab_size > vocab:
-        raise TokenizerError(
-            f"data.tokenizer={cfg.data.tokenizer!r} has {producer.tokenizer.vocab_size} tokens, "
-            f"more than the model's vocabulary of {vocab}: its ids would index past the embedding"
-        )
+    check_tokenizer_fits(settings.tokenizer, producer.tokenizer, vocab)
     return algo
 
 

@@ -5,12 +5,14 @@ place that maps config keys onto components, and the one that knows the engines 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 from flax import nnx
 
 from jaxloop.config import UsageError, default_logprob_diff, parse_loop_budget, run_config
 from jaxloop.io.hf import abstract_model
+from jaxloop.io.run_dir import TOKENIZER_DIR
 from jaxloop.models import LoopedConfig, LoopedLM
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
@@ -204,6 +206,41 @@ class TrainSetup:
         return nnx.merge(nnx.graphdef(self.actor_abstract), self.policy(state))
 
 
+# a directory holds an HF tokenizer when it has one of these (AutoTokenizer reads them)
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_hf_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_MARKERS)
+
+
+def tokenizer_spec(cfg) -> str:
+    """data.tokenizer resolved: `auto` (the default) is the tokenizer of the model the run starts
+    from (model.hf_dir, or model.init_checkpoint's tokenizer/ as conversion.from_hf writes it)
+    when that has one, else `char`; `char` or a directory are taken as given."""
+    spec = cfg.data.tokenizer
+    if spec != "auto":
+        return spec
+    m = cfg.model
+    for candidate in (
+        m.hf_dir or None,
+        Path(m.init_checkpoint) / TOKENIZER_DIR if m.init_checkpoint else None,
+    ):
+        if candidate is not None and has_hf_tokenizer(candidate):
+            return str(candidate)
+    return "char"
+
+
+def check_tokenizer_fits(spec: str, tokenizer, vocab_size: int) -> None:
+    """A tokenizer larger than the model's vocabulary is refused (its ids would index past the
+    embedding): one line, exit code 2, before anything is built."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UsageError(
+            f"data.tokenizer={spec!r} has {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocabulary of {vocab_size}: its ids would index past the embedding"
+        )
+
+
 def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
     return ProducerSettings(
         seed=cfg.seed,
@@ -214,7 +251,7 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
             "num_digits": cfg.data.num_digits,
             "seed": cfg.seed,
         },
-        tokenizer=cfg.data.tokenizer,
+        tokenizer=tokenizer_spec(cfg),
         vocab_size=cfg.model.vocab_size,
         reward=cfg.data.reward,
         prompts_per_update=cfg.prompts_per_update,
@@ -241,7 +278,7 @@ def run_producer_settings(cfg, requires_groups: bool, vocab_size: int) -> Produc
     """producer_settings for a run on a model of `vocab_size` tokens (the char tokenizer spans
     the model's vocabulary)."""
     settings = producer_settings(cfg, requires_groups)
-    if cfg.data.tokenizer == "char":
+    if settings.tokenizer == "char":
         settings = dataclasses.replace(settings, vocab_size=vocab_size)
     return settings
 

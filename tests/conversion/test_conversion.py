@@ -52,9 +52,21 @@ PYTHON = str(REPO / ".venv" / "bin" / "python")
 if not Path(PYTHON).exists():
     PYTHON = sys.executable
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+
+def _tokenizer_json() -> str:
+    """A real (two-word) tokenizer.json: to_hf loads the run's tokenizer for its EOS ids."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token="a")).to_str()
+
+
 TOKENIZER = {
-    "tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": 0}}}',
-    "tokenizer_config.json": '{"chat_template": "{{ messages }}"}',
+    "tokenizer.json": _tokenizer_json(),
+    "tokenizer_config.json": (
+        '{"chat_template": "{{ messages }}", "eos_token": "</s>", '
+        '"tokenizer_class": "PreTrainedTokenizerFast"}'
+    ),
 }
 IDS = np.array([[3, 17, 5, 60, 2, 9, 33, 1], [8, 8, 41, 0, 12, 63, 7, 4]], np.int32)
 

@@ -97,6 +97,19 @@ def test_stop_tokens_and_finish_reason(engine):
     assert len(stopped.response_logprobs) == cut
 
 
+def test_second_eos_id_ends_the_response(engine):
+    # several EOS ids (as Qwen's generation_config lists): the response ends at the second one
+    greedy = SamplingConfig(greedy=True, max_new_tokens=6)
+    first = engine.generate(_requests(1), greedy)[0]
+    second_eos = first.response_ids[2]
+    never = next(t for t in range(3, 64) if t not in first.response_ids)
+    eos_ids = SamplingConfig(greedy=True, max_new_tokens=6, stop_token_ids=(never, second_eos))
+    stopped = engine.generate(_requests(1), eos_ids)[0]
+    cut = first.response_ids.index(second_eos) + 1
+    assert stopped.response_ids == first.response_ids[:cut]
+    assert stopped.finish_reason == "stop"
+
+
 def test_greedy_matches_argmax(engine):
     req = _requests(1)[0]
     out = engine.generate([req], SamplingConfig(greedy=True, max_new_tokens=1))[0]

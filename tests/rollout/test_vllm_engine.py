@@ -291,6 +291,22 @@ def test_stop_tokens_end_the_response(harness):
 
 
 @pytest.mark.slow
+def test_second_eos_id_ends_the_response(harness):
+    # a model with several EOS ids (Qwen's generation_config lists two): the producer passes them
+    # all as stop_token_ids, and the greedy response ends at the second one as at the first
+    harness.serve("A")
+    greedy = SamplingConfig(greedy=True, max_new_tokens=6)
+    first = harness.engine.generate(_requests(1), greedy)[0]
+    second_eos = first.response_ids[2]
+    never = next(t for t in range(3, 128) if t not in first.response_ids)
+    eos_ids = SamplingConfig(greedy=True, max_new_tokens=6, stop_token_ids=(never, second_eos))
+    stopped = harness.engine.generate(_requests(1), eos_ids)[0]
+    cut = first.response_ids.index(second_eos) + 1
+    assert stopped.response_ids == first.response_ids[:cut]
+    assert stopped.finish_reason == "stop"
+
+
+@pytest.mark.slow
 def test_publish_changed_weights(harness):
     engine = harness.engine
     model_a = harness.serve("A")
