@@ -25,7 +25,6 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 from conversion._cli import OneLineParser, UsageError, check_out_dir, run, show_progress
 
@@ -42,33 +41,15 @@ def parse_args(argv: Sequence[str] | None):
 
 
 def run_tokenizer_dir(run_dir: Path) -> Path | None:
-    """The HF tokenizer dir of a run: run_dir/tokenizer/ when it holds one, else the run's
-    data.tokenizer from its config.json (None: the char tokenizer, or no config.json)."""
-    from jaxloop.io.run_dir import CONFIG_FILE, TOKENIZER_DIR
-    from jaxloop.train.setup import has_hf_tokenizer, tokenizer_spec
+    """The HF tokenizer dir of a run (jaxloop.train.setup.run_tokenizer: its tokenizer/, else the
+    tokenizer its config.json names); None for the char tokenizer."""
+    from jaxloop.train.setup import run_tokenizer
 
-    own = run_dir / TOKENIZER_DIR
-    if own.is_dir() and has_hf_tokenizer(own):
-        return own
-    config = run_dir / CONFIG_FILE
-    if not config.is_file():
-        return None
-    try:
-        stored = json.loads(config.read_text())
-        data, model = stored["data"], stored["model"]
-        cfg = SimpleNamespace(
-            data=SimpleNamespace(tokenizer=data.get("tokenizer", "char")),
-            model=SimpleNamespace(
-                hf_dir=model.get("hf_dir", ""), init_checkpoint=model.get("init_checkpoint", "")
-            ),
-        )
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise UsageError(f"{config}: not a jaxloop run config ({err})") from None
-    spec = tokenizer_spec(cfg)
+    spec = run_tokenizer(run_dir)
     if spec == "char":
         return None
     if not Path(spec).is_dir():
-        raise UsageError(f"{config}: the run's tokenizer dir {spec!r} is not found")
+        raise UsageError(f"{run_dir}: the run's tokenizer dir {spec!r} is not found")
     return Path(spec)
 
 

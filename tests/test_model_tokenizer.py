@@ -159,6 +159,8 @@ def test_to_hf_writes_the_tokenizer_and_generation_config(model_dir, tok_dir, tm
     (run / "config.json").write_text(
         json.dumps({"data": {"tokenizer": str(tok_dir)}, "model": {"hf_dir": ""}})
     )
+    # ... which is also what a run started from it takes (an RL run from an SFT run)
+    assert tokenizer_spec(_cfg(f"--config.model.init_checkpoint={run}")) == str(tok_dir)
     out2 = tmp_path / "out2"
     assert to_hf.main(["--checkpoint", str(run), "--out", str(out2)]) == 0
     _loads_as_one_hf_dir(out2, eos_ids)

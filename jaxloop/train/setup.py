@@ -5,6 +5,7 @@ place that maps config keys onto components, and the one that knows the engines 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -12,7 +13,7 @@ from flax import nnx
 
 from jaxloop.config import UsageError, default_logprob_diff, parse_loop_budget, run_config
 from jaxloop.io.hf import abstract_model
-from jaxloop.io.run_dir import TOKENIZER_DIR
+from jaxloop.io.run_dir import CONFIG_FILE, TOKENIZER_DIR
 from jaxloop.models import LoopedConfig, LoopedLM
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.advantages import AdvantageHParams
@@ -216,19 +217,43 @@ def has_hf_tokenizer(path: str | Path) -> bool:
 
 def tokenizer_spec(cfg) -> str:
     """data.tokenizer resolved: `auto` (the default) is the tokenizer of the model the run starts
-    from (model.hf_dir, or model.init_checkpoint's tokenizer/ as conversion.from_hf writes it)
-    when that has one, else `char`; `char` or a directory are taken as given."""
+    from, when that has one: model.hf_dir's, or model.init_checkpoint's (run_tokenizer); else
+    `char`. `char` or a directory are taken as given."""
     spec = cfg.data.tokenizer
     if spec != "auto":
         return spec
     m = cfg.model
-    for candidate in (
-        m.hf_dir or None,
-        Path(m.init_checkpoint) / TOKENIZER_DIR if m.init_checkpoint else None,
-    ):
-        if candidate is not None and has_hf_tokenizer(candidate):
-            return str(candidate)
+    if m.hf_dir and has_hf_tokenizer(m.hf_dir):
+        return str(m.hf_dir)
+    if m.init_checkpoint:
+        return run_tokenizer(m.init_checkpoint)
     return "char"
+
+
+def run_tokenizer(run_dir: str | Path, _depth: int = 0) -> str:
+    """The tokenizer a run dir was made with: its tokenizer/ (conversion.from_hf's copy), else
+    its config.json's data.tokenizer (`auto` resolved against that run's own model source, so an
+    RL run started from an SFT run finds the SFT run's tokenizer); `char` when neither names an
+    HF tokenizer."""
+    run_dir = Path(run_dir)
+    own = run_dir / TOKENIZER_DIR
+    if has_hf_tokenizer(own):
+        return str(own)
+    config = run_dir / CONFIG_FILE
+    if not config.is_file() or _depth > 8:
+        return "char"
+    try:
+        stored = json.loads(config.read_text())
+        spec = stored["data"].get("tokenizer", "char")
+        model = stored["model"]
+        hf_dir, init = model.get("hf_dir") or "", model.get("init_checkpoint") or ""
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UsageError(f"{config}: not a jaxloop run config ({err})") from None
+    if spec != "auto":
+        return spec
+    if hf_dir and has_hf_tokenizer(hf_dir):
+        return str(hf_dir)
+    return run_tokenizer(init, _depth + 1) if init else "char"
 
 
 def check_tokenizer_fits(spec: str, tokenizer, vocab_size: int) -> None:

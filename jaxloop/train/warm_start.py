@@ -23,7 +23,7 @@ from jaxloop.rl.sft import (
 )
 from jaxloop.rl.state import abstract_params
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.producer import derive_seed
+from jaxloop.rollout.producer import build_tokenizer, derive_seed
 
 WARM_START_SEED = 0x5F7  # the warm start's data order: its own stream, not the RL cursor's
 PROBE_SEED = 0x9B0  # the probe's train prompts (no validation left): apart from the SFT data
@@ -76,6 +76,8 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     that value, so the RL run starts from a model that answers partly right, whatever the seed.
     Returns the warm-started actor parameters and the metrics of the warm start (steps run,
     greedy eval reward before and after it, the last probe reward and loss, seconds)."""
+    from jaxloop.train.setup import producer_settings
+
     ws = cfg.warm_start
     steps = ws.sft_steps
     mesh, shardings = setup.mesh, setup.shardings
@@ -96,11 +98,15 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
         params_sharding=shardings.actor_params,
         opt_sharding=opt_sharding,
     )
-    data_cfg = {**producer.settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
-    data = SFTData(data_cfg, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    # the data and tokenizer from the config, as the producer's: the Ray client in front of vLLM
+    # engines holds neither (the engines never see text)
+    settings = producer_settings(cfg, requires_groups=False)
+    tokenizer = build_tokenizer(settings.tokenizer, setup.model_cfg.vocab_size)
+    data_cfg = {**settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
+    data = SFTData(data_cfg, tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
     probe = None
     if ws.stop_at_reward is not None:
-        probe = probe_examples(producer.settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
+        probe = probe_examples(settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
     started = time.perf_counter()
     config = setup.actor_abstract.config
 
