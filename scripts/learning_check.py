@@ -31,15 +31,18 @@ are equal and only RL is compared. Both are evaluated greedily on the same held-
 `OUT/curves-TASK.png` the curves of every system and seed of one task.
 
 What maps from jaxloop's resolved config to GRPOConfig (trl_settings): n_samples_per_prompt ->
-num_generations; prompts_per_update x n_samples_per_prompt -> per_device_train_batch_size (one
-optimizer step per batch: gradient_accumulation_steps=1, the same gradient as jaxloop's
-micro-batches); updates_per_rollout -> num_iterations (old log-probs from the generation batch, as
-jaxloop's); total_updates x updates_per_rollout -> max_steps; optim lr / b1 / b2 / weight_decay /
-grad_clip / schedule (constant, constant with warm-up, cosine, linear over the same steps) /
-warmup_steps; algo.clip_eps / clip_eps_high -> epsilon / epsilon_high; algo.kl_coef -> beta (both
-the k3 estimator); algo.grpo_use_std -> scale_rewards group / none; algo.reduction
-seq_mean_token_mean -> loss_type grpo, token_mean -> bnpo; rollout temperature / top_p / top_k
-/ max_new_tokens; the `format` reward (the same arithmetic); the prompts and their order.
+num_generations; updates_per_rollout -> steps_per_generation (jaxloop makes updates_per_rollout
+optimizer steps per rollout batch, each on its part of the batch: so does TRL, num_iterations=1,
+old log-probs from the generation batch in both; jaxloop's parts are contiguous, whole groups,
+TRL shuffles the generation batch before splitting it); prompts_per_update x n_samples_per_prompt
+/ updates_per_rollout -> per_device_train_batch_size (gradient_accumulation_steps=1: the same
+gradient as jaxloop's micro-batches); total_updates x updates_per_rollout -> max_steps; optim
+lr / b1 / b2 / weight_decay / grad_clip / schedule (constant, constant with warm-up, cosine,
+linear over the same steps) / warmup_steps; algo.clip_eps / clip_eps_high -> epsilon /
+epsilon_high; algo.kl_coef -> beta (both the k3 estimator); algo.grpo_use_std -> scale_rewards
+group / none; algo.reduction seq_mean_token_mean -> loss_type grpo, token_mean -> bnpo; rollout
+temperature / top_p / top_k / max_new_tokens; the `format` reward (the same arithmetic); the
+prompts and their order.
 Refused (ValueError, exit 2) rather than dropped: an algorithm other than grpo for a peer (the
 peers run the grpo rows only), algo.entropy_coef != 0, algo.dual_clip, a KL estimator other than
 k3 with kl_coef > 0, optim.name sgd, a linear schedule with warm-up, learner.pack_tokens.

@@ -77,12 +77,18 @@ def trl_settings(cfg) -> dict:
     schedule = _TRL_SCHEDULES[o.schedule]
     if schedule == "constant" and o.warmup_steps:
         schedule = "constant_with_warmup"
-    iterations = updates_per_rollout(cfg)
+    # jaxloop: updates_per_rollout optimizer steps, each on its part of the rollout batch (the
+    # old log-probs from generation); TRL: steps_per_generation steps over one generation batch
+    steps = updates_per_rollout(cfg)
+    batch = cfg.prompts_per_update * cfg.n_samples_per_prompt
+    if batch % steps:
+        raise ValueError(f"no TRL counterpart of a batch of {batch} in {steps} uneven steps")
     grpo = {
-        "per_device_train_batch_size": cfg.prompts_per_update * cfg.n_samples_per_prompt,
+        "per_device_train_batch_size": batch // steps,
         "gradient_accumulation_steps": 1,
+        "steps_per_generation": steps,
         "num_generations": cfg.n_samples_per_prompt,
-        "num_iterations": iterations,
+        "num_iterations": 1,
         "max_completion_length": r.max_new_tokens,
         "temperature": r.temperature,
         "top_p": r.top_p,
@@ -104,6 +110,7 @@ def trl_settings(cfg) -> dict:
     }
     return {
         "grpo": grpo,
+        "steps_per_update": steps,
         "updates": cfg.total_updates,
         "prompts_per_update": cfg.prompts_per_update,
         "eval_every": cfg.eval_every,

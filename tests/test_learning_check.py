@@ -46,8 +46,14 @@ def test_trl_settings_follow_the_resolved_config():
     cfg = _cfg("--config.optim.lr=3e-4", "--config.algo.kl_coef=0.01", "--config.seed=4")
     s = lp.trl_settings(cfg)
     g = s["grpo"]
-    assert g["num_iterations"] == updates_per_rollout(cfg)
-    assert g["per_device_train_batch_size"] == cfg.prompts_per_update * cfg.n_samples_per_prompt
+    steps = updates_per_rollout(cfg)
+    assert (g["steps_per_generation"], g["num_iterations"], s["steps_per_update"]) == (
+        steps,
+        1,
+        steps,
+    )
+    batch = cfg.prompts_per_update * cfg.n_samples_per_prompt
+    assert g["per_device_train_batch_size"] * steps == batch
     assert g["num_generations"] == cfg.n_samples_per_prompt
     assert (g["learning_rate"], g["beta"], g["epsilon"]) == (3e-4, 0.01, cfg.algo.clip_eps)
     assert g["max_completion_length"] == 4

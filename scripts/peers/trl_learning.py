@@ -8,8 +8,9 @@ greedy eval on jaxloop's held-out prompts every `eval_every` updates.
 PREP_DIR comes from scripts/peers/jaxloop_prep.py (with --warm for a warm-started start);
 settings.json is learning_check.trl_settings(cfg) of jaxloop's resolved config: GRPOConfig
 arguments ("grpo") plus the run's shape ("updates", "eval_every", "max_new_tokens", "seed").
-An update is one generation batch used for `num_iterations` optimizer steps (jaxloop's
-updates_per_rollout), so TRL's global_step is update x num_iterations. Writes
+An update is one generation batch split into `steps_per_generation` optimizer steps (jaxloop's
+updates_per_rollout: each step on its part of the batch), so TRL's global_step is update x
+steps_per_update. Writes
 {"curve": [[update, greedy eval reward], ...], "steps": [TRL's per-step logs]} to --out.
 """
 
@@ -85,7 +86,7 @@ def main() -> int:
     model, _ = build_model(prep)
     logits_diff = check_reference(model, prep)
     grpo = settings["grpo"]
-    updates, iterations = settings["updates"], grpo["num_iterations"]
+    updates, iterations = settings["updates"], settings["steps_per_update"]
     need = updates * settings["prompts_per_update"]
     if len(prompts) < need:
         raise RuntimeError(f"{len(prompts)} prompts in {prep}, {need} needed")
