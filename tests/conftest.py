@@ -52,7 +52,7 @@ GROUP_SECONDS = {
     "train-vllm": 740,
     "ray-cluster": 520,
     "real-engines": 460,
-    "tests.train.test_learning": 280,
+    "tests.train.test_learning": 420,  # four 150-update runs
     "tests.train.test_resume": 260,
     "tests.train.test_mesh": 250,
     "tests.rl.test_learner": 240,
