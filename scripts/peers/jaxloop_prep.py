@@ -8,7 +8,8 @@ exports what the peers need to do the same work:
                       order, for `--updates` updates of `prompts_per_update` prompts
   OUT/prompts.jsonl   the same prompts as {prompt, label} lines (Tunix reads these)
   OUT/tokenizer.json  jaxloop's char tokenizer ids (pad, bos, eos, alphabet, vocab size)
-  OUT/reference.npz   jaxloop's fp32 logits for 4 sequences of 42 tokens: trl_grpo.py refuses
+  OUT/reference.npz   jaxloop's fp32 logits for 4 sequences (4 prompts of one length and 32
+                      random ids each): trl_grpo.py refuses
                       to train unless its model reproduces them
   OUT/eval.json       the `eval_prompts` held-out prompts jaxloop's greedy eval scores (the
                       producer's make_eval_examples), in order, with labels and token ids
@@ -125,8 +126,10 @@ def main() -> int:
     # reference logits: 4 sequences of a prompt and 32 random continuation ids
     rng = np.random.default_rng(0)
     vocab = cfg.model.vocab_size
+    # (prompts of one length: a task's prompts may differ in length)
+    same = [p for p in prompts if len(p["ids"]) == len(prompts[0]["ids"])][:4]
     ids = np.stack(
-        [np.array(p["ids"] + rng.integers(3, vocab, 32).tolist(), np.int32) for p in prompts[:4]]
+        [np.array(p["ids"] + rng.integers(3, vocab, 32).tolist(), np.int32) for p in same]
     )
     logits = model(jnp.asarray(ids))
     np.savez(out / "reference.npz", ids=ids, logits=np.asarray(jax.device_get(logits), np.float32))
