@@ -164,3 +164,14 @@ def test_to_hf_writes_the_tokenizer_and_generation_config(model_dir, tok_dir, tm
     out2 = tmp_path / "out2"
     assert to_hf.main(["--checkpoint", str(run), "--out", str(out2)]) == 0
     _loads_as_one_hf_dir(out2, eos_ids)
+
+
+def test_the_sft_target_ends_with_the_tokenizers_eos_and_the_prompt_is_the_rollouts(tok_dir):
+    from jaxloop.data.types import Example
+    from jaxloop.rl.sft import sft_sequences
+
+    tok = HFTokenizer(tok_dir)
+    prompts, answers = sft_sequences(tok, [Example("What is 2 + 3?", "5")])
+    assert answers == [[*tok.encode("5"), tok.eos_id]]
+    assert prompts == [tok.encode_prompt("What is 2 + 3?")]  # the chat-templated prompt
+    assert tok.decode(answers[0]) == "5"
