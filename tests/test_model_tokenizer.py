@@ -175,3 +175,22 @@ def test_the_sft_target_ends_with_the_tokenizers_eos_and_the_prompt_is_the_rollo
     assert answers == [[*tok.encode("5"), tok.eos_id]]
     assert prompts == [tok.encode_prompt("What is 2 + 3?")]  # the chat-templated prompt
     assert tok.decode(answers[0]) == "5"
+
+
+def test_the_chat_template_renders_on_the_base_install(tok_dir):
+    """`pip install -e .` (no extras) must render a chat template: transformers needs jinja2 for
+    apply_chat_template and does not depend on it, so the base dependencies name it."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    base = {
+        re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0].lower()
+        for dep in pyproject["project"]["dependencies"]
+    }
+    assert "jinja2" in base
+    tok = HFTokenizer(str(tok_dir))
+    text = tok.tok.apply_chat_template(
+        [{"role": "user", "content": "2+3="}], tokenize=False, add_generation_prompt=True
+    )
+    assert "2+3=" in text and text != "2+3="
