@@ -63,6 +63,7 @@ GROUP_SECONDS = {
     "tests.test_bad_inputs": 120,
     "tests.rl.test_packing": 110,
     "tests.test_e2e_official": 80,
+    "tests.test_worked_example": 70,
     "tests.rollout.test_jax_sampler": 60,
     "tests.conversion.test_conversion": 50,
     "tests.train.test_early_exit_train": 45,
