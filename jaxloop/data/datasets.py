@@ -7,8 +7,9 @@ may span two epochs.
 
 - `BuiltinSource(task, seed)`: infinite, example i = `task.prompt('train', i, seed=seed)`;
   `len()` is the task's prompt-space size, used as a nominal epoch length for `state()`.
-- `FileSource(path, seed)`: JSONL (`.jsonl`, `.json` with one object per line) or Parquet
-  (`.parquet`, `.pq`) rows with string `prompt` and `label` fields (numeric labels become strings).
+- `FileSource(path, seed, shape)`: JSONL (`.jsonl`, `.json` with one object per line) or Parquet
+  (`.parquet`, `.pq`) rows; `RowShape` says where the prompt and label are (dotted paths), the
+  template of string prompts and how the label is extracted (docs/data.md).
 - `make_source(cfg)`; `make_eval_examples(cfg, n)` for the held-out prompts.
 """
 
@@ -17,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ __all__ = [
     "Example",
     "FileSource",
     "PromptSource",
+    "RowShape",
     "load_examples",
     "make_eval_examples",
     "make_source",
@@ -61,15 +65,69 @@ class BuiltinSource(PromptSource):
         return self.task.eval_examples(n)
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """Where a row keeps its prompt and label (dotted paths into nested rows), the template of
+    a string prompt and how the label is read (`none` | `gsm8k`)."""
+
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    prompt_template: str = "{prompt}"
+    label_extract: str = "none"
+
+    @classmethod
+    def of(cls, cfg: Any) -> RowShape:
+        return cls(
+            prompt_key=str(_get(cfg, "prompt_key", "prompt")),
+            label_key=str(_get(cfg, "label_key", "label")),
+            prompt_template=str(_get(cfg, "prompt_template", "{prompt}")),
+            label_extract=str(_get(cfg, "label_extract", "none")),
+        )
+
+
+_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+
+
+def fill_template(template: str, prompt: str, row: Mapping[str, Any]) -> str:
+    """`template` with {prompt} and {NAME} (a field of the row, dotted paths too) replaced; every
+    other brace, such as `\\boxed{}` or {x} of a field the row lacks, stays as written (not
+    str.format, which would reject them)."""
+
+    def one(match: re.Match) -> str:
+        name = match.group(1)
+        if name == "prompt":
+            return prompt
+        found, value = _lookup(row, name)
+        return str(value) if found and not isinstance(value, dict | list) else match.group(0)
+
+    return _FIELD.sub(one, template)
+
+
+def extract_gsm8k(answer: str) -> str | None:
+    """The text after the last `####` of a GSM8K answer, thousands separators removed."""
+    if "####" not in answer:
+        return None
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _lookup(row: Any, dotted: str) -> tuple[bool, Any]:
+    value = row
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
 class FileSource(PromptSource):
     """All rows of a JSONL or Parquet file, reshuffled every epoch."""
 
     kind = "file"
 
-    def __init__(self, path: str | os.PathLike, seed: int = 0):
+    def __init__(self, path: str | os.PathLike, seed: int = 0, shape: RowShape | None = None):
         super().__init__(seed)
         self.path = Path(path)
-        self.examples = load_examples(self.path)
+        self.examples = load_examples(self.path, shape)
         h = hashlib.sha256()
         for ex in self.examples:
             h.update(json.dumps([ex.prompt, ex.label]).encode("utf-8"))
@@ -96,8 +154,10 @@ class FileSource(PromptSource):
         self._perm_epoch = -1
 
 
-def load_examples(path: str | os.PathLike) -> list[Example]:
-    """Rows {prompt, label} of a JSONL or Parquet file; DataError naming the file otherwise."""
+def load_examples(path: str | os.PathLike, shape: RowShape | None = None) -> list[Example]:
+    """The rows of a JSONL or Parquet file as examples (`shape`: where the prompt and label are);
+    DataError naming the file, row and key otherwise."""
+    shape = shape or RowShape()
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
@@ -109,8 +169,10 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
     else:
         raise DataError(f"{path}: unsupported data file type {suffix!r} (use .jsonl or .parquet)")
     if not rows:
-        raise DataError(f"{path}: no rows (expected {{prompt, label}} records)")
-    return [_to_example(path, where, row) for where, row in rows]
+        raise DataError(
+            f"{path}: no rows (expected records with {shape.prompt_key}, {shape.label_key})"
+        )
+    return [_to_example(path, where, row, shape) for where, row in rows]
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
@@ -130,35 +192,43 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types
         raise DataError(f"{path}: cannot read Parquet ({type(e).__name__}: {e})") from None
-    missing = [c for c in ("prompt", "label") if c not in table.column_names]
-    if missing and table.num_rows:
-        raise DataError(
-            f"{path}: missing column(s) {missing}; found {table.column_names} "
-            "(expected prompt, label)"
-        )
-    if not table.num_rows:
-        return []
-    prompts = table.column("prompt").to_pylist()
-    labels = table.column("label").to_pylist()
-    pairs = zip(prompts, labels, strict=True)
-    return [(f"row {i}", {"prompt": p, "label": lab}) for i, (p, lab) in enumerate(pairs)]
+    # whole rows: prompt_key / label_key may reach into struct columns, templates into others
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
-def _to_example(path: Path, where: str, row: Any) -> Example:
+def _to_example(path: Path, where: str, row: Any, shape: RowShape) -> Example:
     if not isinstance(row, dict):
         raise DataError(f"{path}: {where} is a {type(row).__name__}, expected an object")
-    prompt, label = row.get("prompt"), row.get("label")
-    missing = [k for k, v in (("prompt", prompt), ("label", label)) if v is None]
+    missing = [key for key in (shape.prompt_key, shape.label_key) if _lookup(row, key)[1] is None]
     if missing:
-        raise DataError(f"{path}: {where} is missing field(s) {missing} (expected prompt, label)")
+        raise DataError(
+            f"{path}: {where} is missing field(s) {missing} (data.prompt_key / "
+            f"data.label_key; the row's keys: {sorted(row)})"
+        )
+    prompt, label = _lookup(row, shape.prompt_key)[1], _lookup(row, shape.label_key)[1]
+    if isinstance(prompt, list):
+        raise DataError(
+            f"{path}: {where} key {shape.prompt_key} is a list of chat messages; this data "
+            "path takes string prompts only"
+        )
     if not isinstance(prompt, str) or not prompt:
-        raise DataError(f"{path}: {where} has a non-string or empty prompt")
+        raise DataError(f"{path}: {where} key {shape.prompt_key} is not a non-empty string")
     if isinstance(label, bool) or not isinstance(label, str | int | float):
-        raise DataError(f"{path}: {where} has a label of type {type(label).__name__}")
+        raise DataError(
+            f"{path}: {where} key {shape.label_key} is a label of type "
+            f"{type(label).__name__}, expected a string or a number"
+        )
     label = label if isinstance(label, str) else str(label)
+    if shape.label_extract == "gsm8k":
+        extracted = extract_gsm8k(label)
+        if extracted is None:
+            raise DataError(
+                f"{path}: {where} key {shape.label_key} has no '####' (data.label_extract=gsm8k)"
+            )
+        label = extracted
     if not label.strip():
-        raise DataError(f"{path}: {where} has an empty label")
-    return Example(prompt, label)
+        raise DataError(f"{path}: {where} key {shape.label_key} is an empty label")
+    return Example(fill_template(shape.prompt_template, prompt, row), label)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -180,7 +250,7 @@ def make_source(cfg: Any) -> PromptSource:
             seed=seed,
         )
         return BuiltinSource(task, seed=seed)
-    return FileSource(source, seed=seed)
+    return FileSource(source, seed=seed, shape=RowShape.of(cfg))
 
 
 def make_eval_examples(cfg: Any, n: int) -> list[Example]:
@@ -188,7 +258,7 @@ def make_eval_examples(cfg: Any, n: int) -> list[Example]:
     `cfg['eval_source']` for file sources (an empty list when there is none)."""
     eval_source = _get(cfg, "eval_source", None)
     if eval_source:
-        return load_examples(eval_source)[:n]
+        return load_examples(eval_source, RowShape.of(cfg))[:n]
     if str(_get(cfg, "source", "builtin")) == "builtin":
         task = BuiltinTask(
             name=str(_get(cfg, "task", DEFAULT_TASK)),

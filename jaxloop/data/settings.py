@@ -4,6 +4,7 @@ default, help, domain and resume policy are declared here, once)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from jaxloop.data.tasks import DEFAULT_TASK, Task
 from jaxloop.settings import FREE, Domain, count, knob
@@ -25,6 +26,29 @@ class DataSection:
             "built-in task's held-out split (a file data.source then has no evaluation)"
         ),
         resume=FREE,
+    )
+    prompt_key: str = knob(
+        "prompt",
+        "the row's prompt field: a dotted path into nested rows (e.g. extra_info.question)",
+        Domain(nonempty=True),
+    )
+    label_key: str = knob(
+        "label",
+        "the row's label field: a dotted path into nested rows (e.g. reward_model.ground_truth)",
+        Domain(nonempty=True),
+    )
+    prompt_template: str = knob(
+        "{prompt}",
+        (
+            "text of each string prompt: {prompt} and {FIELD} (a field of the row) are replaced, "
+            "every other brace (as in \\boxed{}) stays as written"
+        ),
+        Domain(nonempty=True),
+    )
+    label_extract: Literal["none", "gsm8k"] = knob(
+        "none",
+        "none (the label as written) | gsm8k (the text after the last ####, without thousands "
+        "separators)",
     )
     task: Task = knob(
         DEFAULT_TASK,

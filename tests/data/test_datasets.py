@@ -153,7 +153,7 @@ def test_bad_jsonl_files(tmp_path, name, content, match):
 
 def test_bad_parquet_files(tmp_path):
     path = write_parquet(tmp_path / "cols.parquet", [{"question": "a", "answer": "b"}])
-    with pytest.raises(DataError, match=r"missing column\(s\) \['prompt', 'label'\]"):
+    with pytest.raises(DataError, match=r"row 0 is missing field\(s\) \['prompt', 'label'\]"):
         FileSource(path)
     empty = tmp_path / "empty.parquet"
     pq.write_table(
