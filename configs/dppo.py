@@ -2,8 +2,8 @@
 
 The tiny looped Nanbeige-family model from random init, the embedded sampler, and the learning
 recipe the four algorithm configs share (jaxloop.config.learning_recipe): `reverse` of 3 digits
-after a supervised warm start that stops at a validation reward of 0.45, 150 updates. README
-"Learning" has the measured curves.
+after a supervised warm start that stops at a validation reward of 0.45, 150 updates.
+docs/learning.md has the measured curves.
 """
 
 from jaxloop.config import base_config, learning_recipe

@@ -2,8 +2,8 @@
 
 Runs CMD as a child subreaper (Linux), so every descendant, including daemons such as Ray's raylet
 and its workers, is reaped here when it exits; prints one line with the wall time and the user +
-system CPU seconds of everything CMD started. How the README measured that the real-engine tests
-mostly wait (their CPU seconds are a fraction of their wall time)."""
+system CPU seconds of everything CMD started. How docs/contributing.md measured that the
+real-engine tests mostly wait (their CPU seconds are a fraction of their wall time)."""
 
 import ctypes
 import os

@@ -863,7 +863,7 @@ def test_restart_of_the_same_run_before_its_first_checkpoint(tmp_path, capsys):
 # ---- value domains: every key's, declared once (jaxloop.config.DOMAINS, TYPES) ----
 BASE_VALUES = dict(flat_items(base_config()))
 NUMERIC_KEYS = [k for k, t in TYPES.items() if t.base in (int, float)]
-# keys whose 0 is an ordinary value (README "Bad input"); all others refuse it
+# keys whose 0 is an ordinary value (docs/reliability.md, "Bad input"); all others refuse it
 ACCEPTS_ZERO = {
     "seed",
     "rollout.max_staleness",  # synchronous

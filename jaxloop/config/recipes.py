@@ -40,8 +40,8 @@ def official_config(algorithm: str, preset: str = "nanbeige-3b") -> ml_collectio
 
 
 def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The tiny model's multi-token recipe that configs/{ppo,grpo,dppo,flow_dppo}.py share (README
-    "Learning"): `reverse` of 3 digits with the `format` reward; a supervised warm start that
+    """The tiny model's multi-token recipe that configs/{ppo,grpo,dppo,flow_dppo}.py share
+    (docs/learning.md): `reverse` of 3 digits with the `format` reward; a supervised warm start that
     stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 400 steps;
     a fixed step count left seed-dependent starting points, 0.3-0.95), then 150 updates of 2
     optimizer steps each; a critic trains alone for 5 updates at lr 5e-3."""

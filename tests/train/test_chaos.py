@@ -1,4 +1,4 @@
-"""Kill -9 anywhere, in CI: scripts/chaos.py with 3 SIGKILLs per algorithm (the README's
+"""Kill -9 anywhere, in CI: scripts/chaos.py with 3 SIGKILLs per algorithm (docs/reliability.md's
 `python scripts/chaos.py --algorithm ALL --points 20` is the full version). Each kill lands in a
 different window (checkpoint write, its commit rename, old-checkpoint deletion, publication,
 rollout, restore, metrics, ...); after every kill the newest checkpoint must equal the reference
