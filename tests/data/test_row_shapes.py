@@ -125,3 +125,29 @@ def test_invalid_json_and_empty_file(tmp_path):
     empty.write_text("")
     with pytest.raises(DataError, match=r"empty.jsonl: no rows"):
         load_examples(empty)
+
+
+def test_train_dry_run_reads_gsm8k_rows_and_refuses_a_bad_one(tmp_path, capsys):
+    from jaxloop.train.cli import main as train_main
+    from tests.test_bad_inputs import one_error_line
+    from tests.train.helpers import TINY
+
+    rows = [{"question": "3+4=", "answer": "3 + 4 = 7\n#### 7"}] * 3
+    good = write_jsonl(tmp_path / "good.jsonl", rows)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*rows, {"question": "1+1=", "answer": "2"}])
+    keys = [
+        "--config.data.prompt_key=question",
+        "--config.data.label_key=answer",
+        "--config.data.label_extract=gsm8k",
+    ]
+
+    def dry_run(path, run_dir):
+        argv = ["--config", "grpo.py", *TINY, f"--config.data.source={path}", *keys]
+        return train_main([*argv, f"--config.run_dir={run_dir}", "--dry-run"])
+
+    assert dry_run(good, tmp_path / "run_good") == 0
+    capsys.readouterr()
+    code = dry_run(bad, tmp_path / "run_bad")
+    line = one_error_line(capsys, code, "bad.jsonl: line 4 key answer has no '####'")
+    assert "data.label_extract=gsm8k" in line
+    assert not (tmp_path / "run_bad").exists()
