@@ -38,7 +38,12 @@ from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
 from jaxloop.rollout.producer import RolloutProducer, derive_seed
 from jaxloop.train.checkpoint import TrainCheckpointer
-from jaxloop.train.guards import check_model_source, check_writable, run_cleaning_up
+from jaxloop.train.guards import (
+    check_model_source,
+    check_writable,
+    run_cleaning_up,
+    run_dir_lock,
+)
 from jaxloop.train.warm_start import (
     WARM_START_SEED,
     SFTData,
@@ -343,11 +348,15 @@ def _main(argv: list[str], cleanup: list) -> int:
             return 0
         check_writable(cfg.run_dir)
         cleanup.append(FreshStartCleanup(cfg.run_dir))
-        run = SFTRun(cfg)
-        if run.start >= cfg.sft.steps:
-            print(f"sft run already complete: step {run.start} of {cfg.sft.steps}", file=sys.stderr)
-            return 0
-        code = run.run()
+        with run_dir_lock(cfg.run_dir):  # one writer per run dir
+            run = SFTRun(cfg)
+            if run.start >= cfg.sft.steps:
+                print(
+                    f"sft run already complete: step {run.start} of {cfg.sft.steps}",
+                    file=sys.stderr,
+                )
+                return 0
+            code = run.run()
     except NonFiniteSFTError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3

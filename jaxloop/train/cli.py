@@ -27,6 +27,7 @@ from jaxloop.train.guards import (
     check_model_source,
     check_writable,
     run_cleaning_up,
+    run_dir_lock,
     stored_vocab_size,
 )
 from jaxloop.train.loop import Trainer
@@ -158,6 +159,11 @@ def _main(argv: list[str], cleanup: list) -> int:
     preflight(cfg)
     check_writable(cfg.run_dir)
     cleanup.append(FreshStartCleanup(cfg.run_dir))
+    with run_dir_lock(cfg.run_dir):  # before anything is written
+        return _train(cfg, started)
+
+
+def _train(cfg, started) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg)

@@ -84,3 +84,53 @@ def run_cleaning_up(body) -> int:
             fresh.undo(err)
 
     return errors.run_entry_point(lambda: body(cleanup), on_user_error=undo)
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir):
+    """One writer per run dir: an exclusive flock on <run_dir>/.lock for the body's duration
+    (the kernel also releases it on exit and on kill -9, so a stale file never blocks). The
+    holder writes host, pid and start time into it; a second process gets a UsageError naming
+    them. A clean release removes the file (a run leaves no trace of it). Only process 0 of a
+    multi-process run takes it."""
+    import fcntl
+    import socket
+    import time
+
+    import jax
+
+    if jax.process_index() != 0:
+        yield
+        return
+    path = Path(run_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / LOCK_FILE
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown holder"
+            os.close(fd)
+            raise UsageError(
+                f"run_dir {str(path)!r} is in use by another run ({holder}); "
+                "wait for it to end or give another run_dir"
+            ) from None
+        try:  # the file a releasing holder unlinked is not the lock any more: take the new one
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {since}".encode(), 0)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
