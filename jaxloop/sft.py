@@ -348,7 +348,7 @@ def _main(argv: list[str], cleanup: list) -> int:
             return 0
         check_writable(cfg.run_dir)
         cleanup.append(FreshStartCleanup(cfg.run_dir))
-        with run_dir_lock(cfg.run_dir):  # one writer per run dir
+        with run_dir_lock(cfg.run_dir, cfg.dist):  # one writer per run dir
             run = SFTRun(cfg)
             if run.start >= cfg.sft.steps:
                 print(

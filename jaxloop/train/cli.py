@@ -159,7 +159,7 @@ def _main(argv: list[str], cleanup: list) -> int:
     preflight(cfg)
     check_writable(cfg.run_dir)
     cleanup.append(FreshStartCleanup(cfg.run_dir))
-    with run_dir_lock(cfg.run_dir):  # before anything is written
+    with run_dir_lock(cfg.run_dir, cfg.dist):  # before anything is written
         return _train(cfg, started)
 
 

@@ -90,19 +90,18 @@ LOCK_FILE = ".lock"
 
 
 @contextlib.contextmanager
-def run_dir_lock(run_dir):
+def run_dir_lock(run_dir, dist):
     """One writer per run dir: an exclusive flock on <run_dir>/.lock for the body's duration
     (the kernel also releases it on exit and on kill -9, so a stale file never blocks). The
     holder writes host, pid and start time into it; a second process gets a UsageError naming
     them. A clean release removes the file (a run leaves no trace of it). Only process 0 of a
-    multi-process run takes it."""
+    multi-process run takes it (dist.process_id: jax.distributed is not started yet, and
+    nothing may touch devices before it is)."""
     import fcntl
     import socket
     import time
 
-    import jax
-
-    if jax.process_index() != 0:
+    if dist.coordinator_address and (dist.process_id or 0) != 0:
         yield
         return
     path = Path(run_dir).resolve()
