@@ -58,9 +58,7 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -78,6 +76,7 @@ from learning_peers import (  # noqa: E402
     plot_curves,
     prepare,
     print_comparison,
+    run_timed,
     run_trl,
     trl_settings,
 )
@@ -171,11 +170,7 @@ def run_one(algorithm, task, warm, seed, args, extra, start_from=None) -> dict:
         cmd += [*START_FROM_PREP, f"--config.model.hf_dir={Path(start_from) / 'model'}"]
     row = {"system": "jaxloop", "algorithm": algorithm, "task": task, "warm": warm, "seed": seed}
     row["command"] = " ".join(["python", *cmd[1:]])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    row["wall_minutes"] = round((time.perf_counter() - start) / 60, 2)
-    if proc.returncode != 0:
-        row.update(ok=False, error=proc.stderr.strip().splitlines()[-1:])
+    if not run_timed(cmd, row):
         return row
     rows = read_metrics(run_dir)
     points = curve(rows)

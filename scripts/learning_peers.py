@@ -149,6 +149,17 @@ def curve_mean(curve: list) -> float | None:
     return round(sum(r for _, r in curve) / len(curve), 4) if curve else None
 
 
+def run_timed(cmd: list[str], row: dict) -> bool:
+    """Runs `cmd`; `row` gains its wall minutes and, on failure, ok=False and stderr's last
+    line. True when it succeeded."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    row["wall_minutes"] = round((time.perf_counter() - start) / 60, 2)
+    if proc.returncode != 0:
+        row.update(ok=False, error=proc.stderr.strip().splitlines()[-1:])
+    return proc.returncode == 0
+
+
 def run_trl(prep: Path, trl_python: str, row: dict) -> dict:
     """TRL's run from `prep` (row: the run's algorithm, task, warm, seed)."""
     row = {**row, "system": "trl"}
@@ -164,11 +175,7 @@ def run_trl(prep: Path, trl_python: str, row: dict) -> dict:
         str(out),
     ]
     row["command"] = " ".join(cmd)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    row["wall_minutes"] = round((time.perf_counter() - start) / 60, 2)
-    if proc.returncode != 0:
-        row.update(ok=False, error=proc.stderr.strip().splitlines()[-1:])
+    if not run_timed(cmd, row):
         return row
     result = json.loads(out.read_text())
     curve = [[int(u), round(float(r), 3)] for u, r in result["curve"]]

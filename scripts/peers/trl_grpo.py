@@ -176,6 +176,23 @@ def format_reward(response: str, label: str) -> float:
     return 0.5 * prefix / max(len(label), 1)
 
 
+def prompt_dataset(prompts: list[dict], need: int, prep: Path):
+    """The first `need` of jaxloop's prompts, in order, as the datasets.Dataset GRPOTrainer reads
+    ({prompt, label}; the label reaches the reward as a column)."""
+    import datasets
+
+    if len(prompts) < need:
+        raise RuntimeError(f"{len(prompts)} prompts in {prep}, {need} needed")
+    return datasets.Dataset.from_list(
+        [{"prompt": p["prompt"], "label": p["label"]} for p in prompts[:need]]
+    )
+
+
+def reward_format(prompts, completions, label, **kwargs):
+    """jaxloop's `format` reward as a TRL reward function (extra columns arrive as kwargs)."""
+    return [format_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prep", required=True)
@@ -214,16 +231,7 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model, model_info = build_model(prep)
     logits_diff = check_reference(model, prep)
-    need = args.steps * args.prompts_per_step
-    if len(prompts) < need:
-        raise RuntimeError(f"{len(prompts)} prompts in {prep}, {need} needed")
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": p["prompt"], "label": p["label"]} for p in prompts[:need]]
-    )
-
-    def reward_format(prompts, completions, label, **kwargs):
-        return [format_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
-
+    dataset = prompt_dataset(prompts, args.steps * args.prompts_per_step, prep)
     batch = args.prompts_per_step * args.group
     gen_kwargs = {"min_new_tokens": args.max_new_tokens} if args.force_length else None
     out_dir = tempfile.mkdtemp(prefix="trl_grpo_")

@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_grpo import build_model, build_tokenizer, check_reference, format_reward  # noqa: E402
+from trl_grpo import (  # noqa: E402
+    build_model,
+    build_tokenizer,
+    check_reference,
+    format_reward,
+    prompt_dataset,
+    reward_format,
+)
 
 
 def greedy_eval(model, tok, examples: list[dict], max_new_tokens: int) -> float:
@@ -70,7 +77,6 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -87,16 +93,7 @@ def main() -> int:
     logits_diff = check_reference(model, prep)
     grpo = settings["grpo"]
     updates, iterations = settings["updates"], settings["steps_per_update"]
-    need = updates * settings["prompts_per_update"]
-    if len(prompts) < need:
-        raise RuntimeError(f"{len(prompts)} prompts in {prep}, {need} needed")
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": p["prompt"], "label": p["label"]} for p in prompts[:need]]
-    )
-
-    def reward_format(prompts, completions, label, **kwargs):
-        return [format_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
-
+    dataset = prompt_dataset(prompts, updates * settings["prompts_per_update"], prep)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_learning_"),
         max_steps=updates * iterations,
