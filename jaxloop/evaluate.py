@@ -77,8 +77,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise EvalUsageError(f"--samples must be >= 1 (got {args.samples})")
     if args.prompts < 0:
         raise EvalUsageError(f"--prompts must be >= 1 (got {args.prompts})")
-    if args.temperature < 0 or args.max_new_tokens < 0:
-        raise EvalUsageError("--temperature and --max-new-tokens must be > 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise EvalUsageError(f"--temperature must be a finite number >= 0 (got {args.temperature})")
+    if args.max_new_tokens < 0:
+        raise EvalUsageError(
+            f"--max-new-tokens must be >= 0 (0: the run's; got {args.max_new_tokens})"
+        )
     if isinstance(args.step, int) and args.step < 0:
         raise EvalUsageError(f"--step must be >= 0 (got {args.step})")
     return args
