@@ -40,8 +40,12 @@ class UserCodeError(UsageError):
     naming the file or function and the exception, exit code 2 (below)."""
 
 
-# OSError numbers of a write the file system refuses: a user error (exit 2), not a bug
-WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+# OSError numbers of a write the file system refuses (EFBIG: a file-size limit, RLIMIT_FSIZE)
+WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG)
+# ... and of any access it refuses, a read as well as a write: said as such, not as a write
+ACCESS_ERRNOS = (errno.EACCES, errno.EPERM)
+# OSError numbers that are a user error (exit 2), not a bug
+WRITE_ERRNOS = WRITE_ONLY_ERRNOS + ACCESS_ERRNOS
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -67,6 +71,14 @@ def is_user_error(err: BaseException, extra: tuple[type[BaseException], ...] = (
     return isinstance(err, OSError) and err.errno in WRITE_ERRNOS
 
 
+def os_error_prefix(err: BaseException) -> str:
+    """What the file system refused: "cannot write: " for a full disk, a read-only file system,
+    a quota or a size limit; "cannot access: " for a refused permission (a read or a write)."""
+    if not isinstance(err, OSError):
+        return ""
+    return "cannot access: " if err.errno in ACCESS_ERRNOS else "cannot write: "
+
+
 def run_entry_point(
     body: Callable[[], int],
     *,
@@ -82,6 +94,6 @@ def run_entry_point(
             raise
         if on_user_error is not None:
             on_user_error(err)
-        prefix = "cannot write: " if isinstance(err, OSError) else ""
+        prefix = os_error_prefix(err)
         print(error_line(err, prefix), file=sys.stderr)
         return 2

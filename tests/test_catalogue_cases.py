@@ -31,3 +31,41 @@ def test_to_hf_refuses_a_shard_size_that_is_not_a_positive_size(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--max-shard-size" in err[0], err
     assert not out.exists()
+
+
+def test_a_refused_permission_is_not_called_a_write(capsys):
+    """EACCES/EPERM come from reads as well as writes (root ignores file modes, so the errno is
+    raised here rather than provoked): the line says "cannot access", not "cannot write"."""
+    import errno
+
+    from jaxloop.errors import run_entry_point
+
+    def body() -> int:
+        raise PermissionError(errno.EACCES, "Permission denied", "/data/prompts.jsonl")
+
+    assert run_entry_point(body) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: cannot access: [Errno 13] Permission denied: '/data/prompts.jsonl'"]
+
+
+def test_a_file_size_limit_of_the_kernel_is_one_line_exit_2(tmp_path):
+    """A real kernel refusal: RLIMIT_FSIZE in a child (SIGXFSZ ignored, so the write fails with
+    EFBIG instead of killing the process) is a user error, exit 2, one `cannot write` line."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, signal, sys\n"
+        "from jaxloop.errors import run_entry_point\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "def body():\n"
+        f"    with open({str(tmp_path / 'big.bin')!r}, 'wb') as f:\n"
+        "        f.write(b'x' * 65536)\n"
+        "    return 0\n"
+        "sys.exit(run_entry_point(body))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: cannot write: [Errno 27] File too large"), lines
