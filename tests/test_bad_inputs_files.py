@@ -70,7 +70,10 @@ BAD_VALUES = {
     "huge": "HUGE",  # 10**30 for an integer field, inf (1e400) for a float field
     "list": [1],
 }
-OPTIONAL = {f for f in FIELDS if f not in REQUIRED_FIELDS}  # null: the default applies
+# optional keys whose null transformers keeps as None (its RMSNorm then fails): refused, not
+# defaulted (a missing key still takes the default)
+NULL_REFUSED = {"rms_norm_eps"}
+OPTIONAL = {f for f in FIELDS if f not in {*REQUIRED_FIELDS, *NULL_REFUSED}}  # null: the default
 
 
 def _bad(field: str, kind: str):

@@ -69,3 +69,15 @@ def test_a_file_size_limit_of_the_kernel_is_one_line_exit_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: cannot write: [Errno 27] File too large"), lines
+
+
+@pytest.mark.parametrize("family", ["nanbeige", "ouro"])
+def test_a_null_rms_norm_eps_is_refused_and_a_missing_one_is_the_default(family):
+    from jaxloop.families import read_hf_config, tiny_hf_config
+    from jaxloop.families.common import ConfigError
+
+    hf = tiny_hf_config(family)
+    with pytest.raises(ConfigError, match="null for rms_norm_eps"):
+        read_hf_config({**hf, "rms_norm_eps": None})
+    without = {k: v for k, v in hf.items() if k != "rms_norm_eps"}
+    assert read_hf_config(without)["rms_norm_eps"] == 1e-6

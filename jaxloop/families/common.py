@@ -171,8 +171,18 @@ def common_fields(hf: dict) -> dict[str, Any]:
         num_kv_heads=read_dim(hf, "num_key_value_heads", num_heads),
         head_dim=_head_dim(hf),
         rope_theta=_rope_theta(hf),
-        rms_norm_eps=read_positive(hf, "rms_norm_eps", 1e-6),
+        rms_norm_eps=_rms_norm_eps(hf),
     )
+
+
+def _rms_norm_eps(hf: dict) -> float:
+    """A missing key is HF's class default (1e-6); null is not: transformers keeps None and its
+    RMSNorm fails, so a null eps is refused rather than trained with a number nobody wrote."""
+    if "rms_norm_eps" in hf and hf["rms_norm_eps"] is None:
+        raise ConfigError(
+            "config.json has null for rms_norm_eps: give a number (or leave the key out for 1e-6)"
+        )
+    return read_positive(hf, "rms_norm_eps", 1e-6)
 
 
 def common_hf_dict(cfg) -> dict[str, Any]:

@@ -106,6 +106,7 @@ def run_dir_lock(run_dir, dist):
         return
     path = Path(run_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)
+    before = (sorted(os.listdir(path)), path.stat())  # what a refused run restores (below)
     lock = path / LOCK_FILE
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -129,7 +130,18 @@ def run_dir_lock(run_dir, dist):
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {since}".encode(), 0)
     try:
         yield
-    finally:
+    except BaseException:
+        _release(lock, fd)
+        # a run refused before it wrote anything leaves the run dir as it found it: the lock
+        # file's creation and removal changed only the directory's times
         with contextlib.suppress(OSError):
-            lock.unlink()
-        os.close(fd)
+            if sorted(os.listdir(path)) == before[0]:
+                os.utime(path, ns=(before[1].st_atime_ns, before[1].st_mtime_ns))
+        raise
+    _release(lock, fd)
+
+
+def _release(lock: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        lock.unlink()
+    os.close(fd)
