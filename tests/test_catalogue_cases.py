@@ -81,3 +81,17 @@ def test_a_null_rms_norm_eps_is_refused_and_a_missing_one_is_the_default(family)
         read_hf_config({**hf, "rms_norm_eps": None})
     without = {k: v for k, v in hf.items() if k != "rms_norm_eps"}
     assert read_hf_config(without)["rms_norm_eps"] == 1e-6
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_a_reward_beyond_a_float_is_refused_in_one_line(value):
+    """An int no float holds (float() raises OverflowError) is refused like a non-number."""
+    from types import SimpleNamespace
+
+    from jaxloop.rollout.producer import RewardError, RolloutProducer
+
+    producer = SimpleNamespace(reward_fn=lambda response, label: value)
+    producer.settings = SimpleNamespace(reward="tests.rewards:huge")
+    with pytest.raises(RewardError, match="a reward must be a number") as caught:
+        RolloutProducer.score(producer, "12", "12")
+    assert len(str(caught.value).splitlines()) == 1

@@ -161,7 +161,7 @@ class RolloutProducer:
             if isinstance(value, str | bytes) or value is None:
                 raise TypeError
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a float
             raise RewardError(
                 f"reward function {self.settings.reward!r} returned {repr(value)[:40]} "
                 f"({type(value).__name__}) for response {response[:20]!r}; a reward must be a "
