@@ -102,7 +102,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     try:
         shard_bytes = parse_size(args.max_shard_size)
-    except (ValueError, OverflowError):  # OverflowError: "infGB" (an infinite float to int)
+    except ValueError:
         shard_bytes = 0
     if shard_bytes <= 0:
         raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a positive size")

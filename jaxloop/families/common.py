@@ -44,11 +44,18 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _get(hf: dict, key: str, default):
+def _get(hf: dict, key: str, default, null_is_default: bool = True):
     """hf[key]; a missing key or null gives `default` (HF writes null for "the default"), and
-    a required key (default _MISSING) that is missing or null is a ConfigError."""
+    a required key (default _MISSING) that is missing or null is a ConfigError. With
+    `null_is_default=False` (a key transformers keeps as None, e.g. rms_norm_eps: its layers
+    then fail) only a missing key gives `default`; null is refused."""
     value = hf.get(key)
     if value is None:
+        if key in hf and not null_is_default:
+            raise ConfigError(
+                f"config.json has null for {key}: give a value (or leave the key out for "
+                f"{_show(default)})"
+            )
         if default is _MISSING:
             what = "is missing required key" if key not in hf else "has null for required key"
             raise ConfigError(f"config.json {what} {key!r}")
@@ -68,9 +75,9 @@ def read_dim(hf: dict, key: str, default=_MISSING) -> int:
     return value
 
 
-def read_positive(hf: dict, key: str, default=_MISSING) -> float:
+def read_positive(hf: dict, key: str, default=_MISSING, null_is_default: bool = True) -> float:
     """A finite number > 0."""
-    value = _get(hf, key, default)
+    value = _get(hf, key, default, null_is_default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"config.json {key}={_show(value)} is not a number")
     value = float(value)
@@ -171,18 +178,9 @@ def common_fields(hf: dict) -> dict[str, Any]:
         num_kv_heads=read_dim(hf, "num_key_value_heads", num_heads),
         head_dim=_head_dim(hf),
         rope_theta=_rope_theta(hf),
-        rms_norm_eps=_rms_norm_eps(hf),
+        # transformers keeps a null eps as None (its RMSNorm fails): refused, not defaulted
+        rms_norm_eps=read_positive(hf, "rms_norm_eps", 1e-6, null_is_default=False),
     )
-
-
-def _rms_norm_eps(hf: dict) -> float:
-    """A missing key is HF's class default (1e-6); null is not: transformers keeps None and its
-    RMSNorm fails, so a null eps is refused rather than trained with a number nobody wrote."""
-    if "rms_norm_eps" in hf and hf["rms_norm_eps"] is None:
-        raise ConfigError(
-            "config.json has null for rms_norm_eps: give a number (or leave the key out for 1e-6)"
-        )
-    return read_positive(hf, "rms_norm_eps", 1e-6)
 
 
 def common_hf_dict(cfg) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -366,7 +367,10 @@ def parse_size(text: str | int) -> int:
     s = text.strip().upper()
     for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
+            number = float(s[: -len(unit)])
+            if not math.isfinite(number):  # int() of inf is an OverflowError, of NaN a ValueError
+                raise ValueError(f"{text!r} is not a finite size")
+            return int(number * mult)
     if s.endswith("B"):
         s = s[:-1]
     return int(s)
