@@ -228,7 +228,7 @@ def _to_example(path: Path, where: str, row: Any, shape: RowShape) -> Example:
         label = extracted
     if not label.strip():
         raise DataError(f"{path}: {where} key {shape.label_key} is an empty label")
-    return Example(fill_template(shape.prompt_template, prompt, row), label)
+    return Example(fill_template(shape.prompt_template, prompt, row), label, row=row)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

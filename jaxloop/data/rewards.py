@@ -12,19 +12,25 @@
 - 'math_verify':  1.0 iff math_verify.verify(parse(label), parse(response)); never raises (0.0 on a
   parse/verify failure). A label math-verify cannot parse (e.g. "yes") falls back to exact_match.
 
-`get_reward(name)` also accepts "package.module:function" for a user reward function.
+`get_reward(name)` also accepts "package.module:function" for a user reward function. Such a
+function may also take the example's whole row as a keyword, `fn(response, label, *, row)` (or
+`**kwargs`), as TRL passes a dataset's extra columns to its reward functions: `row` is the data
+file's row as read (a dict), or {prompt, label} for a built-in task. `with_row(fn)` decides which
+call a function gets once, from its signature (docs/data.md, "Reward functions").
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from jaxloop.registry import Registry
 
-__all__ = ["REWARDS", "RewardFn", "get_reward", "register_reward"]
+__all__ = ["REWARDS", "RewardFn", "get_reward", "register_reward", "takes_row", "with_row"]
 
 RewardFn = Callable[[str, str], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -48,18 +54,41 @@ def get_reward(name: str) -> RewardFn:
             ) from e
         if not callable(fn):
             raise ValueError(f"reward {name!r} is not callable")
+        row = {"row": {}} if takes_row(fn) else {}
         try:
-            inspect.signature(fn).bind("response", "label")
+            inspect.signature(fn).bind("response", "label", **row)
         except TypeError as e:
-            raise ValueError(
-                f"reward function {name!r} cannot be called as fn(response, label): {e}"
-            ) from None
+            call = "fn(response, label, row=row)" if row else "fn(response, label)"
+            raise ValueError(f"reward function {name!r} cannot be called as {call}: {e}") from None
         except ValueError:  # no signature (a builtin): the first call tells
             pass
         return fn
     raise ValueError(
         f"unknown reward {name!r}; choose one of {sorted(REWARDS)} or give 'module:function'"
     )
+
+
+def takes_row(fn: Callable) -> bool:
+    """Whether `fn` takes the row: a parameter `row` that can be passed by keyword, or
+    `**kwargs`. A function without a signature (a builtin) is called as fn(response, label)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "row" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        for p in params
+    )
+
+
+def with_row(fn: Callable) -> Callable[[str, str, Mapping[str, Any] | None], Any]:
+    """`fn` as a call of (response, label, row): the row is handed on (a copy, so a function that
+    changes it cannot change the data of later calls) when `fn` takes it, else dropped; decided
+    here, once, never by trying the call."""
+    if not takes_row(fn):
+        return lambda response, label, row=None: fn(response, label)
+    return lambda response, label, row=None: fn(response, label, row=copy.deepcopy(dict(row or {})))
 
 
 @register_reward("exact_match")

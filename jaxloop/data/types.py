@@ -7,7 +7,7 @@ imports the other to get them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxloop.errors import UsageError
@@ -23,6 +23,13 @@ class DataError(UsageError):
 class Example:
     prompt: str
     label: str
+    # the data file's row as read, handed to a reward function that takes it (rewards.with_row);
+    # None for a built-in task, whose row is {prompt, label} (`reward_row`). Not compared: two
+    # examples are the same prompt and label.
+    row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    def reward_row(self) -> Mapping[str, Any]:
+        return self.row if self.row is not None else {"prompt": self.prompt, "label": self.label}
 
 
 class PromptSource:
