@@ -87,6 +87,10 @@ class RolloutSource(Protocol):
     def evaluate(self) -> float:
         """Mean greedy reward on the held-out prompts (NaN when there are none)."""
 
+    def evaluate_samples(self) -> tuple[float, list[dict[str, Any]]]:
+        """`evaluate`'s mean and a row per held-out prompt: prompt_text (the text the model saw,
+        templates applied), response, label, reward."""
+
     def state(self) -> dict:
         """The data cursor (saved in checkpoints)."""
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxloop.data.datasets import DataError, make_eval_examples, make_source
-from jaxloop.data.rewards import get_reward
+from jaxloop.data.datasets import DataError, encode_prompts, make_eval_examples, make_source
+from jaxloop.data.rewards import get_reward, with_row
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
 from jaxloop.models.loop_budget import loop_budget_at
 from jaxloop.rollout.api import Policy, Sampler
@@ -78,7 +78,8 @@ class RolloutProducer:
         self.tokenizer = build_tokenizer(settings.tokenizer, settings.vocab_size)
         try:
             self.source = make_source(settings.data)
-            self.reward_fn = get_reward(settings.reward)
+            # (response, label, row): the row reaches a user function that takes it
+            self.reward_fn = with_row(get_reward(settings.reward))
         except DataError:
             raise
         except ValueError as err:  # unknown task or reward name: a usage error, one line
@@ -86,10 +87,10 @@ class RolloutProducer:
         if len(self.source) == 0:
             raise DataError(f"data source {settings.data.get('source')!r} is empty")
         self.eval_examples = make_eval_examples(settings.data, settings.eval_prompts)
-        # fail before anything is written: every known prompt must fit the context
+        # fail before anything is written: every known prompt must render and fit the context
+        # (an error names the file and row)
         known = getattr(self.source, "examples", []) + self.eval_examples
-        for example in known:
-            self.encode(example.prompt)
+        encode_prompts(self.tokenizer, known, settings.max_prompt_tokens)
         self.check_reward(known)
         self.sampling = dataclasses.replace(
             settings.sampling, stop_token_ids=self.tokenizer.eos_ids
@@ -136,9 +137,9 @@ class RolloutProducer:
         and for an empty and a wrong response (RewardError otherwise), and not a non-finite one
         for all of them (occasional NaN / inf rewards are dropped and counted; always NaN would
         drop every sample)."""
-        responses = [(e.label, e.label) for e in examples[:tries]]
-        responses += [(wrong, e.label) for e in examples[:1] for wrong in ("", e.label + "?")]
-        values = [self.score(response, label) for response, label in responses]
+        responses = [(e.label, e) for e in examples[:tries]]
+        responses += [(wrong, e) for e in examples[:1] for wrong in ("", e.label + "?")]
+        values = [self.score(response, e.label, e.reward_row()) for response, e in responses]
         if values and not any(math.isfinite(v) for v in values):
             raise RewardError(
                 f"reward function {self.settings.reward!r} returned a non-finite value "
@@ -146,12 +147,16 @@ class RolloutProducer:
                 "wrong answers): every sample would be dropped"
             )
 
-    def score(self, response: str, label: str) -> float:
+    def score(self, response: str, label: str, row: dict | None = None) -> float:
         """The reward as a float (NaN / inf pass: `produce` drops and counts them); a reward
         function that raises, or returns something that is not a number, raises RewardError
-        naming the function and what it did (user code: one line, exit code 2)."""
+        naming the function and what it did (user code: one line, exit code 2). `row`: the
+        example's row (Example.reward_row), for a reward function that takes it."""
         try:
-            value = self.reward_fn(response, label)
+            if row is None:
+                value = self.reward_fn(response, label)
+            else:
+                value = self.reward_fn(response, label, row)
         except Exception as err:  # noqa: BLE001 - user code: any exception is reported
             raise RewardError(
                 f"reward function {self.settings.reward!r} raised {type(err).__name__}: "
@@ -174,9 +179,13 @@ class RolloutProducer:
 
     def evaluate(self) -> float:
         """Mean reward of greedy responses to the held-out prompts (NaN when there are none)."""
-        if not self.eval_examples:
-            return float("nan")
-        return float(np.mean(self.eval_rewards()))
+        return self.evaluate_samples()[0]
+
+    def evaluate_samples(self) -> tuple[float, list[dict[str, Any]]]:
+        """`evaluate`'s mean and its responses, one row per held-out prompt: prompt_text (the
+        text the model saw), response, label, reward (the samples files, train/samples.py)."""
+        rewards, rows = self.eval_samples()
+        return (float(np.mean(rewards)) if self.eval_examples else float("nan")), rows
 
     def eval_rewards(
         self,
@@ -187,6 +196,15 @@ class RolloutProducer:
         """Rewards [prompts, samples_per_prompt] of responses to the held-out prompts (or to
         `examples`): greedy (the default `sampling`, what `evaluate` averages) or sampled with
         `sampling` (sample j of prompt i is seeded by (config seed, i, j))."""
+        return self.eval_samples(samples_per_prompt, sampling, examples)[0]
+
+    def eval_samples(
+        self,
+        samples_per_prompt: int = 1,
+        sampling: SamplingConfig | None = None,
+        examples: list | None = None,
+    ) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        """`eval_rewards` and a row per response (prompt i's samples at rows i*k..i*k+k-1)."""
         examples = self.eval_examples if examples is None else examples
         k = int(samples_per_prompt)
         if k < 1:
@@ -206,16 +224,37 @@ class RolloutProducer:
             for j in range(k)
         ]
         if not requests:
-            return np.zeros((0, k), np.float64)
+            return np.zeros((0, k), np.float64), []
         samples = self.engine.generate(requests, sampling)
-        rewards = [self.score(self.response_text(s), s.label) for s in samples]
-        return np.asarray(rewards, np.float64).reshape(len(examples), k)
+        rows = []
+        for sample in samples:
+            example = examples[sample.group_id]
+            response = self.response_text(sample)
+            reward = self.score(response, sample.label, example.reward_row())
+            rows.append(
+                {
+                    "prompt_text": self.prompt_text(example.prompt),
+                    "response": response,
+                    "label": sample.label,
+                    "reward": reward,
+                }
+            )
+        rewards = np.asarray([row["reward"] for row in rows], np.float64)
+        return rewards.reshape(len(examples), k), rows
+
+    def prompt_text(self, prompt: str) -> str:
+        """The text the model sees for `prompt`: the tokenizer's format (its chat template),
+        which `encode` tokenizes (after a BOS token, where the tokenizer has one)."""
+        return self.tokenizer.format_prompt(prompt)
 
     def requests(self, update: int) -> list[PromptRequest]:
+        return self._requests(update, self.source.next_batch(self.settings.prompts_per_update))
+
+    def _requests(self, update: int, examples: list) -> list[PromptRequest]:
         s = self.settings
         n = s.n_samples_per_prompt
         out = []
-        for p, ex in enumerate(self.source.next_batch(s.prompts_per_update)):
+        for p, ex in enumerate(examples):
             ids = self.encode(ex.prompt)
             for j in range(n):
                 index = p * n + j
@@ -238,11 +277,13 @@ class RolloutProducer:
         loops = loop_budget_at(self.settings.loop_budget, update)
         if loops is not None:
             sampling = dataclasses.replace(sampling, num_loops=loops)
-        samples = self.engine.generate(self.requests(update), sampling)
+        examples = self.source.next_batch(self.settings.prompts_per_update)
+        samples = self.engine.generate(self._requests(update, examples), sampling)
         kept, dropped = [], 0
-        for sample in samples:
+        for sample in samples:  # the rows stay here: only the requests go to the engines
+            row = examples[sample.sample_index // self.settings.n_samples_per_prompt].reward_row()
             sample.response_text = self.response_text(sample)
-            sample.reward = self.score(sample.response_text, sample.label)
+            sample.reward = self.score(sample.response_text, sample.label, row)
             if math.isfinite(sample.reward):
                 kept.append(sample)
             else:

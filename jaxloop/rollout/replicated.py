@@ -72,6 +72,9 @@ class ReplicatedSource:
     def evaluate(self) -> float:
         return self._share(self._key("evaluate"), lambda: self.source.evaluate())
 
+    def evaluate_samples(self) -> tuple[float, list[dict[str, Any]]]:
+        return self._share(self._key("evaluate_samples"), lambda: self.source.evaluate_samples())
+
     def state(self) -> dict:
         return self._share(self._key("state"), lambda: self.source.state())
 

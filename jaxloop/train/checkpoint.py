@@ -343,6 +343,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "curves.png",
     "tb",
+    "samples",
     "draft_features",
 )
 

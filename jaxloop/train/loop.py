@@ -39,6 +39,7 @@ from jaxloop.train.consistency import (
     staleness,
 )
 from jaxloop.train.hooks import Hook, Hooks, Step
+from jaxloop.train.samples import SamplesWriter
 from jaxloop.train.setup import (
     TrainSetup,
     build_producer,
@@ -113,6 +114,8 @@ class Trainer:
             if self.is_main
             else _NoMetrics()
         )
+        # what each evaluation asked and answered: samples/<update>.jsonl (process 0)
+        self.samples = SamplesWriter(self.run_dir, self.start_update) if self.is_main else None
         self.warned_constant_values = False
         self.pending_best = None  # keep_best_checkpoint: the final eval's, saved at "saved"
         self.features = self._feature_writer(settings, model_cfg)
@@ -380,15 +383,23 @@ class Trainer:
 
     # ---- hooks ----
     def _evaluate(self, step: Step) -> None:
-        step.metrics["eval_reward"] = self.producer.evaluate()
+        step.metrics["eval_reward"] = self.evaluate_policy(step.update)
         self._note_best(step.update, step.metrics["eval_reward"], saved_next=False)
 
     def _final_evaluate(self, step: Step) -> None:
-        step.metrics["final_eval_reward"] = self.producer.evaluate()
+        step.metrics["final_eval_reward"] = self.evaluate_policy(step.update + 1)
         # the last update's checkpoint is saved right after ("saved" runs last=stop_at)
         self._note_best(step.update + 1, step.metrics["final_eval_reward"], saved_next=True)
         # an engine restarted during the final evaluation is counted in the last row too
         step.metrics.update(self.producer.stats())
+
+    def evaluate_policy(self, at_step: int) -> float:
+        """The mean eval reward of the policy after `at_step` updates; its responses go to
+        samples/<at_step>.jsonl."""
+        reward, rows = self.producer.evaluate_samples()
+        if self.samples is not None:
+            self.samples.write(at_step, rows)
+        return reward
 
     def _note_best(self, at_step: int, reward: float, saved_next: bool) -> None:
         """keep_best_checkpoint: an eval of the policy after `at_step` updates that beats the

@@ -470,6 +470,9 @@ class RayRolloutClient:
     def evaluate(self) -> float:
         return self._call("evaluation", "evaluate")
 
+    def evaluate_samples(self) -> tuple[float, list[dict[str, Any]]]:
+        return self._call("evaluation", "evaluate_samples")
+
     def state(self) -> dict:
         return self._call("reading the data cursor", "state")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import ray
 
@@ -84,6 +85,10 @@ class RolloutManagerProcess:
     def evaluate(self) -> float:
         self.group.check_health()
         return self.producer.evaluate()
+
+    def evaluate_samples(self) -> tuple[float, list[dict[str, Any]]]:
+        self.group.check_health()
+        return self.producer.evaluate_samples()
 
     def generate(self, requests, sampling) -> list[Sample]:
         return self.group.generate(requests, sampling)
