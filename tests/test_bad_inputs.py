@@ -889,6 +889,7 @@ ACCEPTS_NONE = {
     "updates_per_rollout",  # the algorithm's default
     "checkpoint_every",  # only after the last update
     "eval_every",  # only after the last update
+    "resume_step",  # the newest checkpoint
     "model.logits_chunk",  # the whole sequence
     "rollout.top_k",  # off
     "rollout.max_logprob_diff",  # the engine's default bound

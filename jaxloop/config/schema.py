@@ -64,6 +64,14 @@ class SftSection:
         ),
         count(1),
     )
+    source: str = knob(
+        "",
+        (
+            "a JSONL / Parquet file of SFT rows: {prompt, response} (the prompt a string or chat "
+            "messages, at data.prompt_key) or {messages} (the last, an assistant message, is the "
+            "target); empty: data.source's {prompt, label} rows"
+        ),
+    )
     batch_size: int = knob(
         64, "{prompt, label} examples per SFT step (loss on the answer tokens and EOS)", count(1)
     )
@@ -199,6 +207,17 @@ class RunConfig:
             "evaluation beats it, never deleted by keep_checkpoints), recorded in "
             "<run_dir>/best_checkpoint.json; `jaxloop.evaluate --step best` reads it"
         ),
+        resume=FREE,
+    )
+    # a step, never 0: a trainer's first checkpoint is after update 1
+    resume_step: int | None = knob(
+        None,
+        (
+            "resume from checkpoint N (verified first) instead of the newest: the newer steps "
+            "are moved into <run_dir>/checkpoints.discarded/ (never deleted), so drop the key "
+            "for later restarts; None: the newest checkpoint"
+        ),
+        count(1),
         resume=FREE,
     )
     eval_every: int | None = knob(

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -230,17 +231,18 @@ def check_resume(cfg, run_dir: Path, setup) -> None:
     (its actor_config.json; `setup`: the run's train.setup.TrainSetup), or a checkpoint that holds
     another algorithm's state, arrays of other shapes, or is incomplete. Reads only; without a
     checkpoint nothing is checked (the run starts afresh)."""
-    steps = checkpoint_steps(run_dir)
-    if not steps:
+    step = resume_from(cfg, run_dir)
+    if step is None:
         return
     check_resume_config(cfg, run_dir)
     _check_architecture(run_dir, setup.model_cfg)
     # the checkpoint itself: the items of this algorithm, the shapes of this model
-    step = steps[-1]
     ckpt = layout.step_dir(run_dir, step)
     abstract = setup.abstract_state()
     want = {item for item, field in ARRAY_ITEMS.items() if getattr(abstract, field) is not None}
-    fallback = f"move {ckpt} out of checkpoints/ to resume from it"
+    fallback = "pass --config.resume_step={step} to resume from it"
+    if cfg.resume_step is None:
+        fallback = f"move {ckpt} out of checkpoints/ or {fallback}"
     delete = older_step_offer(
         run_dir, step, fallback=fallback
     )  # the newest older step that verifies
@@ -254,6 +256,77 @@ def check_resume(cfg, run_dir: Path, setup) -> None:
         read_metrics(run_dir)  # MetricsFileError (one line) when it is damaged
     if not verified and jax.process_index() == 0:  # restored as before, with one warning
         digests.warn_unverified(step, run_dir)
+
+
+def resume_from(cfg, run_dir: str | Path) -> int | None:
+    """The step a run resumes from: `resume_step` (which must be one of the run dir's
+    checkpoints: a UsageError otherwise), else the newest; None without a checkpoint (a fresh
+    start). Reads only."""
+    steps = checkpoint_steps(run_dir)
+    if cfg.resume_step is None:
+        return steps[-1] if steps else None
+    if cfg.resume_step not in steps:
+        have = ", ".join(map(str, steps)) or "none"
+        raise UsageError(
+            f"resume_step={cfg.resume_step}: run dir {run_dir} has no checkpoint "
+            f"{cfg.resume_step} (its checkpoints: {have})"
+        )
+    return cfg.resume_step
+
+
+def resumed_update(cfg) -> int | None:
+    """Updates finished by the checkpoint the run resumes from (`resume_from`; its train
+    state's "update", the step number when that cannot be read), None for a fresh start."""
+    step = resume_from(cfg, cfg.run_dir)
+    if step is None:
+        return None
+    try:
+        return int(layout.read_train_state(cfg.run_dir, step)["update"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return step
+
+
+DISCARDED_DIR = "checkpoints.discarded"  # resume_step's newer steps, moved here, never deleted
+
+
+def discard_newer_steps(cfg, run_dir: Path) -> list[str]:
+    """`resume_step`, once check_resume has verified it: move the checkpoints newer than it (and
+    best_checkpoint.json when it names one of them) into <run_dir>/checkpoints.discarded/, each
+    under its own name or, when that is taken there, with a suffix (.1, .2, ...): nothing is
+    deleted or overwritten. One line on stderr says what moved. Process 0 moves; the others
+    wait for it. Returns the names given in checkpoints.discarded/."""
+    if cfg.resume_step is None:
+        return []
+    newer = [s for s in checkpoint_steps(run_dir) if s > cfg.resume_step]
+    moved: list[str] = []
+    if newer and jax.process_index() == 0:
+        dest = run_dir / DISCARDED_DIR
+        dest.mkdir(exist_ok=True)
+        sources = [layout.step_dir(run_dir, s) for s in newer]
+        best = best_checkpoint(run_dir)
+        if best is not None and best.get("step") in newer:
+            sources.append(run_dir / BEST_FILE)  # it names a step that is no longer resumable
+        for source in sources:
+            name, n = source.name, 0
+            while (dest / name).exists() or (dest / name).is_symlink():
+                n += 1
+                name = f"{source.name}.{n}"
+            os.rename(source, dest / name)  # same file system: atomic, never a copy
+            moved.append(name)
+        renamed = [
+            f"{s.name} as {m}" if s.name != m else m for s, m in zip(sources, moved, strict=True)
+        ]
+        print(
+            f"resume_step={cfg.resume_step}: moved checkpoints newer than it aside into "
+            f"{dest}/ ({', '.join(renamed)}; nothing deleted); resuming from checkpoint "
+            f"{cfg.resume_step}",
+            file=sys.stderr,
+        )
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxloop resume_step")
+    return moved
 
 
 def _check_architecture(run_dir: Path, model_cfg) -> None:
@@ -320,9 +393,9 @@ def config_conflict(cfg, stored: dict, changes_math=None) -> tuple[str, object, 
 
 
 def check_resume_config(cfg, run_dir: Path) -> None:
-    """A run dir with a checkpoint resumes only with the math it was started with (config.json);
-    reads only, needs no model (a dry run makes it too)."""
-    if not checkpoint_steps(run_dir):
+    """A run dir with a checkpoint resumes only with the math it was started with (config.json),
+    and from a `resume_step` it holds; reads only, needs no model (a dry run makes it too)."""
+    if resume_from(cfg, run_dir) is None:
         return
     stored = _stored_config(run_dir)
     conflict = None if stored is None else config_conflict(cfg, stored)

@@ -17,11 +17,15 @@ import jax
 
 from jaxloop import errors
 from jaxloop.config import UsageError, format_tree, parse_command
-from jaxloop.io.run_dir import completed_update
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.summary import finish_report
-from jaxloop.train.checkpoint import FreshStartCleanup, check_fresh_start, check_resume_config
+from jaxloop.train.checkpoint import (
+    FreshStartCleanup,
+    check_fresh_start,
+    check_resume_config,
+    resumed_update,
+)
 from jaxloop.train.consistency import STOPPED_RUN_ERRORS
 from jaxloop.train.guards import (
     check_model_source,
@@ -82,7 +86,7 @@ def preflight(cfg):
 
 
 def run_dir_status(cfg) -> str:
-    done = completed_update(cfg.run_dir)
+    done = resumed_update(cfg)  # resume_step's, when set
     if done is None:
         return "new" if not Path(cfg.run_dir).exists() else "no checkpoint: starts at update 0"
     if done >= cfg.total_updates:
@@ -94,7 +98,7 @@ def dry_run(cfg) -> str:
     """The checks a real run makes before it builds a model (config, loss hyper-parameters,
     data source, tokenizer, reward, prompt lengths), then the resolved config. Writes nothing."""
     preflight(cfg)
-    done = completed_update(cfg.run_dir)
+    done = resumed_update(cfg)  # resume_step's, when set
     if done is None or done < cfg.total_updates:
         check_resume_config(cfg, Path(cfg.run_dir).resolve())
         check_fresh_start(cfg, Path(cfg.run_dir).resolve())
@@ -148,7 +152,7 @@ def _main(argv: list[str], cleanup: list) -> int:
         print(dry_run(cfg))
         return 0
     # before anything is built or written: a finished run dir is reported, not re-entered
-    done = completed_update(cfg.run_dir)
+    done = resumed_update(cfg)  # resume_step's, when set
     if done is not None and done >= cfg.total_updates:
         print(
             f"run already complete: update {done} of {cfg.total_updates} "

@@ -29,6 +29,7 @@ from jaxloop.train.checkpoint import (
     best_checkpoint,
     check_fresh_start,
     check_resume,
+    discard_newer_steps,
     write_best_checkpoint,
 )
 from jaxloop.train.consistency import (
@@ -85,6 +86,7 @@ class Trainer:
         self.mesh = shd.make_mesh(**validate_mesh(cfg, jax.device_count(), model_cfg))
         self.setup = TrainSetup(cfg, model_cfg, self.mesh)
         check_resume(cfg, self.run_dir, self.setup)  # before anything is written or restored
+        discard_newer_steps(cfg, self.run_dir)  # resume_step: the newer steps moved aside
         check_fresh_start(cfg, self.run_dir)  # no checkpoint: refuse to overwrite another run
         self.learner = self.setup.learner
         settings = run_producer_settings(cfg, self.algo.requires_groups, model_cfg.vocab_size)
