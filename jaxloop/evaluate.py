@@ -15,6 +15,10 @@ so the greedy reward is the trainer's `eval_reward` of that checkpoint.
   `--temperature`); mean reward, pass@1 (the mean fraction of correct samples) and pass@K (the
   fraction of prompts with at least one correct sample).
 - `--reward NAME` scores with another reward (e.g. `exact_match` for a run trained on `format`).
+- `--samples-out FILE`: the greedy responses as JSONL, one row per prompt, as the trainer's
+  `samples/<update>.jsonl` (jaxloop/train/samples.py): prompt_text (the text the model saw,
+  templates applied), response, label, reward; their mean is `greedy_reward`. Written whole at
+  the end (a temporary file renamed over FILE).
 
 Prints a table, then one JSON line on stdout. The step's actor_params are verified against its
 digests first (a damaged step is refused, naming the newest older step that verifies). Errors are
@@ -72,6 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--reward", default="", help="reward name (default: the run's data.reward)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="response length limit")
+    ap.add_argument("--samples-out", default="", help="write the greedy responses to this JSONL")
     args = ap.parse_args(argv)
     if args.samples < 0:
         raise EvalUsageError(f"--samples must be >= 1 (got {args.samples})")
@@ -85,6 +90,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if isinstance(args.step, int) and args.step < 0:
         raise EvalUsageError(f"--step must be >= 0 (got {args.step})")
+    out = Path(args.samples_out)
+    if args.samples_out and (out.is_dir() or not out.parent.is_dir()):
+        why = "is a directory" if out.is_dir() else f"is in {out.parent}, which is not a directory"
+        raise EvalUsageError(f"--samples-out {args.samples_out} {why}")
     return args
 
 
@@ -221,7 +230,8 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     if not producer.eval_examples:
         raise EvalUsageError(f"no prompts to evaluate on in {prompts}")
     producer.publish(Policy(nnx.state(model), step, model.config))
-    greedy = producer.eval_rewards()[:, 0]
+    greedy, rows = producer.eval_samples()
+    greedy = greedy[:, 0]
     result = {
         "checkpoint": str(run_dir),
         "step": step,
@@ -245,6 +255,11 @@ def evaluate_run(args: argparse.Namespace) -> dict:
             }
         )
     producer.close()
+    if args.samples_out:  # last: a failed evaluation writes nothing
+        from jaxloop.train.samples import write_samples
+
+        write_samples(args.samples_out, rows)
+        result["samples_out"] = args.samples_out
     return result
 
 
