@@ -28,6 +28,7 @@ import jax
 from flax import nnx
 
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
+from jaxloop.data.datasets import sft_data
 from jaxloop.io.hf import abstract_model
 from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
@@ -66,6 +67,10 @@ SFT_KEYS = (
     "model",
     "data.source",
     "data.eval_source",
+    "data.prompt_key",
+    "data.label_key",
+    "data.prompt_template",
+    "data.label_extract",
     "data.task",
     "data.num_digits",
     "data.tokenizer",
@@ -178,7 +183,10 @@ class SFTRun:
             settings, JaxSamplerEngine(self.actor_abstract, mesh=self.mesh)
         )
         self.data = SFTData(
-            {**settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)},
+            {
+                **sft_data(settings.data, cfg.sft.source),
+                "seed": derive_seed(cfg.seed, WARM_START_SEED),
+            },
             self.producer.tokenizer,
             cfg.data.max_prompt_tokens,
             cfg.sft.batch_size,
@@ -314,7 +322,8 @@ def sft_preflight(cfg) -> None:
     )
     producer = RolloutProducer(settings, engine=None)
     check_tokenizer_fits(settings.tokenizer, producer.tokenizer, stored_vocab_size(cfg))
-    SFTData(settings.data, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    data = sft_data(settings.data, cfg.sft.source)
+    SFTData(data, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:

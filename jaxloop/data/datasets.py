@@ -7,10 +7,16 @@ may span two epochs.
 
 - `BuiltinSource(task, seed)`: infinite, example i = `task.prompt('train', i, seed=seed)`;
   `len()` is the task's prompt-space size, used as a nominal epoch length for `state()`.
-- `FileSource(path, seed, shape)`: JSONL (`.jsonl`, `.json` with one object per line) or Parquet
-  (`.parquet`, `.pq`) rows; `RowShape` says where the prompt and label are (dotted paths), the
-  template of string prompts and how the label is extracted (docs/data.md).
-- `make_source(cfg)`; `make_eval_examples(cfg, n)` for the held-out prompts.
+- `FileSource(path, seed, shape, rows)`: JSONL (`.jsonl`, `.json` with one object per line) or
+  Parquet (`.parquet`, `.pq`) rows; `RowShape` says where the prompt and label are (dotted paths),
+  the template of string prompts and how the label is extracted (docs/data.md). A prompt is a
+  string or a list of {role, content} chat messages (`Message`), which the tokenizer renders
+  (`format_prompt`). `rows="sft"`: SFT rows, {prompt, response} or {messages}, the response (the
+  last assistant message) as the example's label.
+- `make_source(cfg)`; `make_eval_examples(cfg, n)` for the held-out prompts; `sft_data(data,
+  sft_source)` for the SFT batches; `encode_prompts(tokenizer, examples, max_prompt_tokens)`:
+  every prompt's ids, or one error naming the file and row of a prompt that cannot be rendered
+  or is too long.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from jaxloop.data.tasks import DEFAULT_TASK, BuiltinTask
-from jaxloop.data.types import DataError, Example, PromptSource
+from jaxloop.data.tokenizer import TokenizerError
+from jaxloop.data.types import ROLES, DataError, Example, Message, Prompt, PromptSource
 from jaxloop.textfile import utf8_lines
 
 __all__ = [
@@ -37,9 +44,11 @@ __all__ = [
     "FileSource",
     "PromptSource",
     "RowShape",
+    "encode_prompts",
     "load_examples",
     "make_eval_examples",
     "make_source",
+    "sft_data",
 ]
 
 
@@ -124,13 +133,19 @@ class FileSource(PromptSource):
 
     kind = "file"
 
-    def __init__(self, path: str | os.PathLike, seed: int = 0, shape: RowShape | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        seed: int = 0,
+        shape: RowShape | None = None,
+        rows: str = "rl",
+    ):
         super().__init__(seed)
         self.path = Path(path)
-        self.examples = load_examples(self.path, shape)
+        self.examples = load_examples(self.path, shape, rows)
         h = hashlib.sha256()
         for ex in self.examples:
-            h.update(json.dumps([ex.prompt, ex.label]).encode("utf-8"))
+            h.update(json.dumps([_plain(ex.prompt), ex.label]).encode("utf-8"))
             h.update(b"\n")
         self.digest = h.hexdigest()
         self._perm_epoch = -1
@@ -154,25 +169,39 @@ class FileSource(PromptSource):
         self._perm_epoch = -1
 
 
-def load_examples(path: str | os.PathLike, shape: RowShape | None = None) -> list[Example]:
-    """The rows of a JSONL or Parquet file as examples (`shape`: where the prompt and label are);
-    DataError naming the file, row and key otherwise."""
+def _plain(prompt: Prompt) -> Any:
+    """A prompt as JSON: a string as itself (the digest of string rows is an older run's)."""
+    return prompt if isinstance(prompt, str) else [[m.role, m.content] for m in prompt]
+
+
+def load_examples(
+    path: str | os.PathLike, shape: RowShape | None = None, rows: str = "rl"
+) -> list[Example]:
+    """The rows of a JSONL or Parquet file as examples (`shape`: where the prompt and label are;
+    `rows="sft"`: SFT rows, `_to_sft_example`); DataError naming the file, row and key
+    otherwise."""
     shape = shape or RowShape()
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        rows = _read_jsonl(path)
+        records = _read_jsonl(path)
     elif suffix in (".parquet", ".pq"):
-        rows = _read_parquet(path)
+        records = _read_parquet(path)
     else:
         raise DataError(f"{path}: unsupported data file type {suffix!r} (use .jsonl or .parquet)")
-    if not rows:
+    if rows == "sft":
+        if not records:
+            raise DataError(
+                f"{path}: no rows (expected {{{shape.prompt_key}, response}} or {{messages}})"
+            )
+        return [_to_sft_example(path, where, row, shape) for where, row in records]
+    if not records:
         raise DataError(
             f"{path}: no rows (expected records with {shape.prompt_key}, {shape.label_key})"
         )
-    return [_to_example(path, where, row, shape) for where, row in rows]
+    return [_to_example(path, where, row, shape) for where, row in records]
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
@@ -205,14 +234,8 @@ def _to_example(path: Path, where: str, row: Any, shape: RowShape) -> Example:
             f"{path}: {where} is missing field(s) {missing} (data.prompt_key / "
             f"data.label_key; the row's keys: {sorted(row)})"
         )
-    prompt, label = _lookup(row, shape.prompt_key)[1], _lookup(row, shape.label_key)[1]
-    if isinstance(prompt, list):
-        raise DataError(
-            f"{path}: {where} key {shape.prompt_key} is a list of chat messages; this data "
-            "path takes string prompts only"
-        )
-    if not isinstance(prompt, str) or not prompt:
-        raise DataError(f"{path}: {where} key {shape.prompt_key} is not a non-empty string")
+    prompt = _prompt(path, where, row, shape)
+    label = _lookup(row, shape.label_key)[1]
     if isinstance(label, bool) or not isinstance(label, str | int | float):
         raise DataError(
             f"{path}: {where} key {shape.label_key} is a label of type "
@@ -228,7 +251,141 @@ def _to_example(path: Path, where: str, row: Any, shape: RowShape) -> Example:
         label = extracted
     if not label.strip():
         raise DataError(f"{path}: {where} key {shape.label_key} is an empty label")
-    return Example(fill_template(shape.prompt_template, prompt, row), label, row=row)
+    return Example(prompt, label, origin=f"{path}: {where}", row=row)
+
+
+def _prompt(path: Path, where: str, row: dict, shape: RowShape) -> Prompt:
+    """The row's prompt: a string through data.prompt_template, or chat messages as written
+    (the template applies to string prompts only: set with messages, it is refused rather than
+    ignored)."""
+    key = shape.prompt_key
+    value = _lookup(row, key)[1]
+    if isinstance(value, list):
+        messages = _messages(path, where, key, value)
+        _no_template(path, where, key, shape)
+        return messages
+    if not isinstance(value, str) or not value:
+        raise DataError(
+            f"{path}: {where} key {key} is not a non-empty string or a list of chat messages"
+        )
+    return fill_template(shape.prompt_template, value, row)
+
+
+def _no_template(path: Path, where: str, key: str, shape: RowShape) -> None:
+    if shape.prompt_template != "{prompt}":
+        raise DataError(
+            f"{path}: {where} key {key} is a list of chat messages, and "
+            f"data.prompt_template={shape.prompt_template!r} applies to string prompts only "
+            "(leave it at {prompt} for chat rows)"
+        )
+
+
+def _messages(path: Path, where: str, key: str, value: list) -> tuple[Message, ...]:
+    """`value` as chat messages: each a {role, content} object, role system | user |
+    assistant, content a string; DataError naming file, row and key (`KEY[i].role`)."""
+    if not value:
+        raise DataError(f"{path}: {where} key {key} is an empty list of chat messages")
+    out = []
+    for i, message in enumerate(value):
+        at = f"{key}[{i}]"
+        if not isinstance(message, Mapping):
+            raise DataError(
+                f"{path}: {where} key {at} is a {type(message).__name__}, expected a chat "
+                "message {role, content}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise DataError(
+                f"{path}: {where} key {at}.role is {role!r}; a message's role is "
+                f"{', '.join(ROLES[:-1])} or {ROLES[-1]}"
+            )
+        if not isinstance(content, str):
+            what = "missing" if content is None else f"a {type(content).__name__}"
+            raise DataError(
+                f"{path}: {where} key {at}.content is {what}; a message's content is a string"
+            )
+        out.append(Message(role, content))
+    return tuple(out)
+
+
+SFT_TARGET_KEYS = ("response", "completion")  # jaxloop's / verl's name, and TRL's
+
+
+def _to_sft_example(path: Path, where: str, row: Any, shape: RowShape) -> Example:
+    """An SFT row as an example whose label is the target: {PROMPT_KEY, response} (TRL's
+    `completion` too; a string, or one assistant message), the prompt a string (through
+    data.prompt_template) or chat messages; or {messages}, the last one an assistant message
+    (the target) and the ones before it the prompt."""
+    if not isinstance(row, dict):
+        raise DataError(f"{path}: {where} is a {type(row).__name__}, expected an object")
+    target_key = next((k for k in SFT_TARGET_KEYS if row.get(k) is not None), None)
+    if _lookup(row, shape.prompt_key)[1] is not None and target_key is not None:
+        prompt = _prompt(path, where, row, shape)
+        target = row[target_key]
+        if isinstance(target, list):  # TRL's conversational completion: [assistant message]
+            messages = _messages(path, where, target_key, target)
+            if len(messages) != 1 or messages[0].role != "assistant":
+                raise DataError(
+                    f"{path}: {where} key {target_key} is a list of messages; an SFT target "
+                    "is one assistant message"
+                )
+            target = messages[0].content
+    elif row.get("messages") is not None:
+        target_key = "messages"
+        value = row["messages"]
+        if not isinstance(value, list):
+            raise DataError(f"{path}: {where} key messages is not a list of chat messages")
+        messages = _messages(path, where, "messages", value)
+        if len(messages) < 2 or messages[-1].role != "assistant":
+            raise DataError(
+                f"{path}: {where} key messages must end in an assistant message (the target) "
+                "after at least one prompt message"
+            )
+        _no_template(path, where, "messages", shape)
+        prompt, target = messages[:-1], messages[-1].content
+    else:
+        raise DataError(
+            f"{path}: {where} is not an SFT row: expected {{{shape.prompt_key}, response}} "
+            f"(data.prompt_key; or TRL's completion) or {{messages}}; the row's keys: "
+            f"{sorted(row)}"
+        )
+    if not isinstance(target, str) or not target.strip():
+        raise DataError(
+            f"{path}: {where} key {target_key} has no target text (an empty or non-string response)"
+        )
+    return Example(prompt, target, origin=f"{path}: {where}", row=row)
+
+
+def encode_prompts(tokenizer, examples: list[Example], max_prompt_tokens: int) -> list[list[int]]:
+    """Each example's prompt ids (`tokenizer.encode_prompt`: the one rendering of a prompt, as
+    the rollout and SFT both use it); DataError naming the example's file and row when the
+    tokenizer cannot render it (chat messages without a chat template, characters it cannot
+    encode) or it is longer than `max_prompt_tokens` tokens (its length, after
+    data.prompt_template and the chat template)."""
+    out = []
+    for ex in examples:
+        where = f"{ex.origin}: " if ex.origin else ""
+        try:
+            ids = list(tokenizer.encode_prompt(ex.prompt))
+        except TokenizerError as err:
+            raise DataError(f"{where}{err}") from None
+        if len(ids) > max_prompt_tokens:
+            shown = "" if ex.origin else f": {str(_plain(ex.prompt))[:40]!r}"
+            raise DataError(
+                f"{where}prompt of {len(ids)} tokens (after data.prompt_template and the chat "
+                f"template) is longer than data.max_prompt_tokens={max_prompt_tokens}{shown}"
+            )
+        out.append(ids)
+    return out
+
+
+def sft_data(data: Mapping[str, Any], sft_source: str | None) -> dict[str, Any]:
+    """The data settings of SFT batches: `sft.source`'s rows ({prompt, response} or {messages})
+    when it is set, else `data`'s own {prompt, label} rows (data.source: the built-in task's train
+    split or a file)."""
+    if not sft_source:
+        return dict(data)
+    return {**data, "source": str(sft_source), "rows": "sft"}
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -250,7 +407,8 @@ def make_source(cfg: Any) -> PromptSource:
             seed=seed,
         )
         return BuiltinSource(task, seed=seed)
-    return FileSource(source, seed=seed, shape=RowShape.of(cfg))
+    rows = str(_get(cfg, "rows", "rl"))
+    return FileSource(source, seed=seed, shape=RowShape.of(cfg), rows=rows)
 
 
 def make_eval_examples(cfg: Any, n: int) -> list[Example]:

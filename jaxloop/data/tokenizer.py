@@ -7,7 +7,11 @@ Both follow the `Tokenizer` protocol:
 - `pad_id`, `bos_id`, `eos_id`, `vocab_size`;
 - `eos_ids`: every id that ends a response (`eos_id` first, then any other EOS id of the model's
   `generation_config.json`, which may list several, as Qwen's does);
-- `format_prompt(prompt)` -> the text the model should see (chat template or identity);
+- `format_prompt(prompt)` -> the text the model should see: the one place a prompt is rendered.
+  A string prompt is itself (char tokenizer, or an HF tokenizer without a chat template) or the
+  chat template applied to it as one user message; chat messages (a tuple of `Message`) are the
+  chat template applied to them, with its generation prompt, and need a tokenizer that has one
+  (`TokenizerError` otherwise);
 - `encode_prompt(prompt)` -> `[bos] + encode(format_prompt(prompt))`, adding bos only when the
   tokenizer has one and the formatted text does not already start with it;
 - `digest()` -> sha256 hex of the vocabulary and config, identical across processes.
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from jaxloop.data.types import Message, Prompt
 from jaxloop.errors import UsageError
 
 __all__ = [
@@ -52,9 +57,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def format_prompt(self, prompt: str) -> str: ...
+    def format_prompt(self, prompt: Prompt) -> str: ...
 
-    def encode_prompt(self, prompt: str) -> list[int]: ...
+    def encode_prompt(self, prompt: Prompt) -> list[int]: ...
 
     def digest(self) -> str: ...
 
@@ -118,10 +123,15 @@ class CharTokenizer:
             out.append(c)
         return "".join(out)
 
-    def format_prompt(self, prompt: str) -> str:
+    def format_prompt(self, prompt: Prompt) -> str:
+        if not isinstance(prompt, str):
+            raise TokenizerError(
+                "a chat-message prompt needs a tokenizer with a chat template; the char "
+                "tokenizer has none (set data.tokenizer to an HF tokenizer dir with one)"
+            )
         return prompt
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
         return [self.bos_id, *self.encode(self.format_prompt(prompt))]
 
     def digest(self) -> str:
@@ -137,6 +147,10 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
+# the files AutoTokenizer builds a tokenizer from (a directory with none of them has none)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class HFTokenizer:
     """`transformers.AutoTokenizer` loaded from a local directory (never from the network).
 
@@ -149,14 +163,23 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_dir():
             raise TokenizerError(f"tokenizer directory not found: {path}")
+        if not any((path / name).is_file() for name in HF_TOKENIZER_FILES):
+            raise TokenizerError(
+                f"no HF tokenizer in {path}: it holds none of {', '.join(HF_TOKENIZER_FILES)}"
+            )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its warnings would add lines to a one-line error
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - surface one clear error
             why = " ".join(str(e).split()) or type(e).__name__  # transformers: several lines
             raise TokenizerError(f"cannot load a tokenizer from {path}: {why}") from e
+        finally:
+            hf_logging.set_verbosity(verbosity)
         self.path = path
         self.tok = tok
         if tok.eos_token_id is None:
@@ -179,14 +202,25 @@ class HFTokenizer:
         keep = [int(i) for i in ids if int(i) not in self._skip]
         return self.tok.decode(keep, skip_special_tokens=True)
 
-    def format_prompt(self, prompt: str) -> str:
+    def format_prompt(self, prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            if not self.has_chat_template:
+                return prompt
+            return self.format_messages((Message("user", prompt),))
         if not self.has_chat_template:
-            return prompt
-        return self.tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+            raise TokenizerError(
+                f"a chat-message prompt needs a tokenizer with a chat template; {self.path} "
+                "has none (tokenizer_config.json without chat_template)"
+            )
+        return self.format_messages(prompt)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    def format_messages(self, messages: Sequence[Message]) -> str:
+        """The chat template applied to `messages`, ending in the generation prompt (the
+        assistant turn the model continues)."""
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        return self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self.encode(self.format_prompt(prompt))
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]

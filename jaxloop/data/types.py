@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxloop.errors import UsageError
 
-__all__ = ["DataError", "Example", "PromptSource"]
+__all__ = ["ROLES", "DataError", "Example", "Message", "Prompt", "PromptSource"]
 
 
 class DataError(UsageError):
@@ -20,9 +20,25 @@ class DataError(UsageError):
 
 
 @dataclass(frozen=True)
+class Message:
+    """One chat message of a prompt: role system | user | assistant."""
+
+    role: str
+    content: str
+
+
+# a string prompt, or chat messages that the tokenizer's chat template renders
+Prompt = str | tuple[Message, ...]
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: Prompt
     label: str
+    # where a file row came from ("FILE: line N" / "FILE: row N"), for errors found later (a
+    # prompt the tokenizer cannot render, or one too long); "" for built-in prompts
+    origin: str = field(default="", compare=False)
     # the data file's row as read, handed to a reward function that takes it (rewards.with_row);
     # None for a built-in task, whose row is {prompt, label} (`reward_row`). Not compared: two
     # examples are the same prompt and label.

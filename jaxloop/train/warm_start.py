@@ -9,7 +9,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxloop.data.datasets import DataError, make_eval_examples, make_source
+from jaxloop.data.datasets import (
+    DataError,
+    encode_prompts,
+    make_eval_examples,
+    make_source,
+    sft_data,
+)
 from jaxloop.metrics import progress
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.optim import make_optimizer
@@ -43,6 +49,8 @@ class SFTData:
     def __init__(self, data: dict, tokenizer, max_prompt_tokens: int, batch_size: int):
         self.source = make_source(data)
         self.tokenizer, self.batch_size = tokenizer, batch_size
+        # every file row's prompt renders and fits, as the rollout's must (errors name the row)
+        encode_prompts(tokenizer, getattr(self.source, "examples", []), max_prompt_tokens)
         self.seq_len = sft_seq_len(max_prompt_tokens, answer_budget(self.source, tokenizer))
 
     def next_batch(self) -> SFTBatch:
@@ -102,7 +110,10 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     # engines holds neither (the engines never see text)
     settings = producer_settings(cfg, requires_groups=False)
     tokenizer = build_tokenizer(settings.tokenizer, setup.model_cfg.vocab_size)
-    data_cfg = {**settings.data, "seed": derive_seed(cfg.seed, WARM_START_SEED)}
+    data_cfg = {
+        **sft_data(settings.data, cfg.sft.source),
+        "seed": derive_seed(cfg.seed, WARM_START_SEED),
+    }
     data = SFTData(data_cfg, tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
     probe = None
     if ws.stop_at_reward is not None:

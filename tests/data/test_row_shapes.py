@@ -102,9 +102,9 @@ def test_config_keys_reach_train_and_eval_sources(tmp_path):
             "line 1 key answer has no '####'",
         ),
         (
-            [{"prompt": [{"role": "user", "content": "hi"}], "label": "1"}],
+            [{"prompt": [{"role": "robot", "content": "hi"}], "label": "1"}],
             RowShape(),
-            "line 1 key prompt is a list of chat messages",
+            "line 1 key prompt[0].role is 'robot'",  # chat prompts: tests/data/test_chat_prompts
         ),
     ],
 )
