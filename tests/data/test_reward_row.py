@@ -133,3 +133,34 @@ def test_a_reward_whose_row_key_is_missing_is_one_line(tmp_path):
     with pytest.raises(DataError, match="raised KeyError") as caught:
         _producer(f"--config.data.source={path}", f"--config.data.reward={HERE}:row_weight")
     assert len(str(caught.value).splitlines()) == 1
+
+
+def test_the_docs_row_reward_runs_as_written(tmp_path):
+    """docs/data.md's reward-function example: examples/row_rewards.py reads the worked answer
+    of a raw GSM8K row, and the doc's dry-run command loads it and passes (rc 0)."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jaxloop.data.datasets import RowShape
+
+    root = Path(__file__).resolve().parents[2]
+    reward = with_row(get_reward("examples.row_rewards:gsm8k_steps"))
+    shape = RowShape("question", "answer", "{prompt}", "gsm8k")
+    first = load_examples(root / "examples" / "gsm8k_tiny.jsonl", shape)[0]  # 3 + 53 = 56
+    assert first.label == "56" and "<<3+53=56>>" in first.row["answer"]
+    assert reward("so it is 56", first.label, first.row) == 1.0
+    assert reward("3 + 53 = 56, plus one: 57", first.label, first.row) == 0.5  # a right step
+    assert reward("57", first.label, first.row) == 0.0
+    text = (root / "docs" / "data.md").read_text()
+    lines = [x for x in text.splitlines() if x.startswith(("python -m jaxloop", "python scripts"))]
+    tokenizer_line = next(x for x in lines if x.startswith("python scripts/build_tokenizer.py"))
+    command = next(x for x in lines if "row_rewards:gsm8k_steps" in x)
+    for name in ("examples", "scripts"):
+        (tmp_path / name).symlink_to(root / name)
+    for line in (tokenizer_line, command):
+        argv = [sys.executable, *shlex.split(line)[1:]]
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{line}\n{proc.stderr[-2000:]}"
+    assert "dry run: the config is valid" in proc.stdout
