@@ -1,6 +1,8 @@
 """Inputs of the wider bad-input catalogue that ended in a traceback or were accepted: each is
 refused in one `error:` line with exit code 2 before anything is read or written."""
 
+import shutil
+
 import pytest
 
 from conversion import to_hf
@@ -95,3 +97,77 @@ def test_a_reward_beyond_a_float_is_refused_in_one_line(value):
     with pytest.raises(RewardError, match="a reward must be a number") as caught:
         RolloutProducer.score(producer, "12", "12")
     assert len(str(caught.value).splitlines()) == 1
+
+
+# ---- two-line errors: a warning of transformers or orbax printed before the one error line ----
+def _stderr_lines(*argv: str) -> tuple[int, list[str]]:
+    """Run `python -m ...` in a fresh process (the warnings of absl and transformers reach its
+    real stderr, which capsys does not see): (exit code, the non-empty stderr lines)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True)
+    return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from flax import nnx
+
+    from jaxloop.families import tiny_hf_config
+    from jaxloop.models.config import LoopedConfig
+    from jaxloop.models.looped import LoopedLM
+
+    hf = tiny_hf_config("nanbeige", num_hidden_layers=1, intermediate_size=64)
+    return LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
+
+
+def test_an_hf_dir_without_a_tokenizer_as_data_tokenizer_is_one_line(tmp_path, tiny_model):
+    """data.tokenizer naming an HF model dir that holds no tokenizer files: one line naming the
+    dir (it was a transformers warning about the model type, then the error)."""
+    from jaxloop.io.hf import save_hf
+
+    hf_dir = save_hf(tiny_model, tmp_path / "hf", dtype="float32")
+    run_dir = tmp_path / "run"
+    code, lines = _stderr_lines(
+        "jaxloop.train",
+        "--config",
+        "ppo.py",
+        f"--config.run_dir={run_dir}",
+        f"--config.model.hf_dir={hf_dir}",
+        f"--config.data.tokenizer={hf_dir}",
+        "--dry-run",
+    )
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (
+        f"error: no HF tokenizer in {hf_dir}: it holds none of tokenizer.json, "
+        "tokenizer_config.json, tokenizer.model, vocab.json"
+    )
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("entry", ["jaxloop.evaluate", "conversion.to_hf"])
+def test_an_emptied_checkpoint_step_is_one_line(tmp_path, tiny_model, entry):
+    """The newest step of a run dir emptied (its files removed, the directory left): one line
+    naming the step and the older step that verifies (it was orbax's warning about the step's
+    missing metadata file, then the error)."""
+    from jaxloop.config import base_config
+    from jaxloop.io.orbax import save_model
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        save_model(run_dir, tiny_model, step=step)
+    # evaluate reads the run's data settings: the defaults'
+    (run_dir / "config.json").write_text(base_config().to_json_best_effort())
+    step_dir = run_dir / "checkpoints" / "2"
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(run_dir)]
+    argv += ["--prompts", "2"] if entry == "jaxloop.evaluate" else ["--out", str(out)]
+    code, lines = _stderr_lines(entry, *argv)
+    assert code == 2 and len(lines) == 1, lines
+    offer = "pass --step 1 to use it" if entry == "jaxloop.evaluate" else "--step 1"
+    assert lines[0].startswith(f"error: step 2 of {run_dir / 'checkpoints'} is empty"), lines
+    assert "checkpoint 1 verifies" in lines[0] and offer in lines[0], lines
+    assert not out.exists()

@@ -159,7 +159,8 @@ def _checkpoint_dir(run_dir: str | Path) -> Path:
 
 def _open(ckpt: Path, registry=None) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(create=False)
-    return ocp.CheckpointManager(ckpt, options=options, handler_registry=registry)
+    with _quiet_other_items():  # a step without metadata (emptied) is refused in one line later
+        return ocp.CheckpointManager(ckpt, options=options, handler_registry=registry)
 
 
 def check_step(
@@ -263,9 +264,13 @@ def read_config(run_dir: str | Path, role: str = "actor") -> LoopedConfig:
 
 class _DropUnrestorableItemWarnings(logging.Filter):
     # Orbax warns about every item it has no handler for (the trainer's optimizer state...):
-    # expected here, since only `{role}_params` is read.
+    # expected here, since only `{role}_params` is read; and, opening a manager, about a step
+    # without its metadata file: the step is refused in one line if it is the one read.
+    QUIET = ("could not be restored", "Metadata file does not exist")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "could not be restored" not in record.getMessage()
+        message = record.getMessage()
+        return not any(text in message for text in self.QUIET)
 
 
 @contextlib.contextmanager
@@ -361,6 +366,9 @@ def _stored_params(ckpt: Path, item: str, step: int | None) -> tuple[int, dict]:
             raise RunDirError(f"{ckpt} has no step {step} (steps: {sorted(steps)})")
         if not (ckpt / str(step) / item).is_dir():
             items = sorted(p.name for p in (ckpt / str(step)).iterdir() if p.is_dir())
+            if not any((ckpt / str(step)).iterdir()):
+                offer = older_step_offer(ckpt.parent, step, [item])
+                raise RunDirError(f"step {step} of {ckpt} is empty ({offer})")
             raise RunDirError(f"step {step} of {ckpt} has no {item} item (items: {items})")
         verified = check_step(ckpt.parent, step, [item], warn=False)
         with _unreadable_as_run_dir_error(ckpt, step, item, verified):
