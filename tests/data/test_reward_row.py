@@ -59,7 +59,7 @@ def _rows_file(tmp_path):
     return path
 
 
-def _producer(*overrides: str) -> RolloutProducer:
+def _setup(*overrides: str):
     small = ("--config.prompts_per_update=4", "--config.n_samples_per_prompt=2")
     small += ("--config.eval_prompts=4",)
     cfg = parse_args(["--config", "grpo.py", *unit_overrides(), *small, *overrides])
@@ -68,6 +68,11 @@ def _producer(*overrides: str) -> RolloutProducer:
         tiny_hf_config("nanbeige", vocab_size=settings.vocab_size)
     )
     model = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
+    return cfg, settings, model
+
+
+def _producer(*overrides: str) -> RolloutProducer:
+    _, settings, model = _setup(*overrides)
     producer = RolloutProducer(settings, JaxSamplerEngine(model))
     producer.publish(Policy(nnx.state(model), 0, model.config))
     return producer
@@ -164,3 +169,28 @@ def test_the_docs_row_reward_runs_as_written(tmp_path):
         proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{line}\n{proc.stderr[-2000:]}"
     assert "dry run: the config is valid" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_rows_reach_the_scorer_behind_ray_engines(tmp_path):
+    """rollout.engine=ray_jax (the Ray manager and an engine actor; vLLM engines sit behind the
+    same manager): the rows stay in the manager's producer, which scores, and come back as
+    rewards and evaluation rows equal to the in-process producer's."""
+    from jaxloop.config import run_config
+    from jaxloop.rollout.ray.client import RayRolloutClient
+
+    data = _rows_file(tmp_path)
+    args = (f"--config.data.source={data}", f"--config.data.eval_source={data}")
+    args += (f"--config.data.reward={HERE}:row_weight", "--config.rollout.engine=ray_jax")
+    cfg, settings, model = _setup(*args)
+    client = RayRolloutClient(run_config(cfg).rollout, model.config, settings)
+    try:
+        client.publish(Policy(nnx.state(model), 0, model.config))
+        samples, _ = client.produce(0)
+        assert {(s.prompt_text, s.reward) for s in samples} == set(WEIGHTS.items())
+        mean, rows = client.evaluate_samples()
+    finally:
+        client.close()
+    assert [r["reward"] for r in rows] == list(WEIGHTS.values())
+    local = _producer(*args)
+    assert (mean, rows) == local.evaluate_samples()
