@@ -53,16 +53,20 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    """scripts/build_tokenizer.py's byte-level BPE (built offline) with its ChatML template."""
+def build_bpe(out: Path) -> Path:
+    """scripts/build_tokenizer.py's byte-level BPE of 320 tokens (built offline) with its ChatML
+    template, in `out`."""
     spec = importlib.util.spec_from_file_location("bt", ROOT / "scripts/build_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    out = tmp_path_factory.mktemp("tok") / "bpe"
     data = ["--data", str(ROOT / "examples/gsm8k_tiny.jsonl"), "--vocab-size", "320"]
     assert module.main(["--out", str(out), *data]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_bpe(tmp_path_factory.mktemp("tok") / "bpe")
 
 
 @pytest.fixture(scope="module")

@@ -228,3 +228,31 @@ def test_warm_start_probe_is_a_validation_set():
     probe = probe_examples(data, eval_prompts=15, seed=0, n=8)
     assert len(probe) == 8
     assert all(prompt_split(ex.prompt) == "train" for ex in probe)
+
+
+def test_sft_on_chat_rows_trains_on_the_response_tokens_only(tmp_path):
+    """`sft.source` of chat rows ({messages}, {prompt: messages, response}, {prompt, response},
+    TRL's {prompt, completion}) with a chat-template tokenizer: the run trains, and each step's
+    loss covers exactly the responses' tokens and EOS (every row is in every step's batch), none
+    of the system / user / template tokens."""
+    from jaxloop.data.tokenizer import HFTokenizer
+    from tests.data.test_chat_prompts import SFT_ROWS, build_bpe, write_jsonl
+
+    tok_dir = build_bpe(tmp_path / "tok")
+    rows = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS * 2)  # 8: the mesh divides it
+    run = tmp_path / "chat_sft"
+    cmd = [sys.executable, "-m", "jaxloop.sft", "--config", "sft.py", f"--config.run_dir={run}"]
+    cmd += [*SFT_ARGS[:4], "--config.model.vocab_size=320", f"--config.data.tokenizer={tok_dir}"]
+    cmd += [f"--config.sft.source={rows}", "--config.data.max_prompt_tokens=96"]
+    cmd += ["--config.sft.steps=3", "--config.sft.batch_size=8", "--config.micro_batch_size=8"]
+    cmd += ["--config.eval_prompts=8", "--config.rollout.max_new_tokens=2"]
+    cmd += ["--config.progress=false", "--config.curves=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = HFTokenizer(tok_dir)
+    targets = ["7", "5", "42", "2"]
+    expected_tokens = 2 * sum(len(tok.encode(t)) + 1 for t in targets)
+    metrics = read_rows(run)
+    assert [r["sft_tokens"] for r in metrics] == [expected_tokens] * 3
+    assert metrics[-1]["sft_loss"] < metrics[0]["sft_loss"]
+    assert json.loads((run / "config.json").read_text())["sft"]["source"] == str(rows)
