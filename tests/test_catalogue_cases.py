@@ -171,3 +171,44 @@ def test_an_emptied_checkpoint_step_is_one_line(tmp_path, tiny_model, entry):
     assert lines[0].startswith(f"error: step 2 of {run_dir / 'checkpoints'} is empty"), lines
     assert "checkpoint 1 verifies" in lines[0] and offer in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("entry", ["init_checkpoint", "evaluate"])
+def test_non_finite_weights_in_an_orbax_checkpoint_are_refused_at_load(tmp_path, entry):
+    """An inf in one parameter of an orbax checkpoint (digests written after it, so it
+    verifies): refused in one line naming the parameter and the first index, as an HF
+    checkpoint's NaN / inf are; a run started from it writes nothing."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxloop.config import base_config, unit_overrides
+    from jaxloop.families import tiny_hf_config
+    from jaxloop.io.orbax import save_model
+    from jaxloop.models.config import LoopedConfig
+    from jaxloop.models.looped import LoopedLM
+
+    hf = tiny_hf_config("nanbeige", num_hidden_layers=1, intermediate_size=64)
+    model = LoopedLM(LoopedConfig.from_hf_dict(hf), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(params)
+    pure["blocks"]["up_proj"] = pure["blocks"]["up_proj"].at[0, 1, 3].set(jnp.inf)
+    nnx.replace_by_pure_dict(params, pure)
+    nnx.update(model, params)
+    weights = tmp_path / "weights"
+    save_model(weights, model, step=1)
+    (weights / "config.json").write_text(base_config().to_json_best_effort())
+    run_dir = tmp_path / "run"
+    if entry == "evaluate":
+        argv = ("jaxloop.evaluate", "--checkpoint", str(weights), "--prompts", "2")
+    else:
+        argv = ("jaxloop.train", "--config", "ppo.py", *unit_overrides())
+        argv += (f"--config.run_dir={run_dir}", f"--config.model.init_checkpoint={weights}")
+        argv += ("--config.prompts_per_update=2", "--config.progress=false")
+    code, lines = _stderr_lines(*argv)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (
+        f"error: checkpoint 1 of {weights / 'checkpoints'}: actor_params parameter "
+        "blocks.up_proj holds non-finite values (NaN or inf; the first at index (0, 1, 3)): "
+        "refusing to load it"
+    )
+    assert not run_dir.exists()

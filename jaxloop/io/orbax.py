@@ -347,6 +347,7 @@ def restore_model(
         for path, x in leaves:
             with _unreadable_as_run_dir_error(ckpt, step, item, verified):
                 arrays.append(_restore_one(mngr, step, item, path, x))
+            _check_finite(arrays[-1], ckpt, step, item, path)
             bar.update(x.size * x.dtype.itemsize)
     nnx.replace_by_pure_dict(params, jax.tree.unflatten(treedef, arrays))
     if not verified:
@@ -397,6 +398,25 @@ def _unreadable_as_run_dir_error(ckpt: Path, step: int, item: str, verified: boo
             f"({type(err).__name__}; the step has no {digests.DIGEST_FILE} to tell which file "
             "changed)"
         ) from None
+
+
+def _check_finite(array: jax.Array, ckpt: Path, step: int, item: str, path) -> None:
+    """RunDirError when a restored parameter holds a NaN or an infinity, naming it and the first
+    such index (an HF checkpoint's tensors are checked as they are read: io.hf._check_finite):
+    a model.init_checkpoint or an evaluated step with garbage weights is refused at load. One
+    reduction on the parameter's devices; the index is looked for only when there is one."""
+    if not jnp.issubdtype(array.dtype, jnp.inexact):
+        return
+    finite = jnp.isfinite(array)
+    if bool(finite.all()):
+        return
+    first = int(jnp.argmin(finite.reshape(-1)))  # the first False
+    index = tuple(int(i) for i in np.unravel_index(first, array.shape)) if array.shape else ()
+    name = jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+    raise RunDirError(
+        f"checkpoint {step} of {ckpt}: {item} parameter {name} holds non-finite values (NaN or "
+        f"inf; the first at index {index}): refusing to load it"
+    )
 
 
 def _read_limit(stored: dict, budget_bytes: int) -> int:
