@@ -53,14 +53,19 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-def build_bpe(out: Path) -> Path:
-    """scripts/build_tokenizer.py's byte-level BPE of 320 tokens (built offline) with its ChatML
-    template, in `out`."""
+def build_tokenizer(argv: list[str]) -> int:
+    """`python scripts/build_tokenizer.py ARGV` in this process (a byte-level BPE built offline,
+    with a ChatML chat template)."""
     spec = importlib.util.spec_from_file_location("bt", ROOT / "scripts/build_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def build_bpe(out: Path) -> Path:
+    """A BPE of 320 tokens on examples/gsm8k_tiny.jsonl in `out`."""
     data = ["--data", str(ROOT / "examples/gsm8k_tiny.jsonl"), "--vocab-size", "320"]
-    assert module.main(["--out", str(out), *data]) == 0
+    assert build_tokenizer(["--out", str(out), *data]) == 0
     return out
 
 
@@ -344,3 +349,26 @@ def test_a_prompt_without_a_file_row_shows_its_text():
         DataError, match=r"^prompt of 41 tokens .* data\.max_prompt_tokens=8: '3\+4="
     ):
         encode_prompts(CharTokenizer(), [ex], 8)
+
+
+def test_the_docs_chat_and_sft_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """docs/data.md's chat-prompt and SFT-row dry runs on examples/gsm8k_chat_tiny.jsonl and
+    examples/gsm8k_sft_tiny.jsonl, with the doc's tokenizer, pass as written (in-process)."""
+    import shlex
+
+    from jaxloop.sft import main as sft_main
+    from jaxloop.train.cli import main as train_main
+
+    lines = (ROOT / "docs" / "data.md").read_text().splitlines()
+    tokenizer = next(x for x in lines if x.startswith("python scripts/build_tokenizer.py"))
+    commands = [x for x in lines if x.startswith("python -m") and "gsm8k_chat_tiny" in x]
+    commands += [x for x in lines if x.startswith("python -m") and "gsm8k_sft_tiny" in x]
+    assert [shlex.split(c)[2] for c in commands] == ["jaxloop.train", "jaxloop.sft"]
+    for name in ("examples", "scripts"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    assert build_tokenizer(shlex.split(tokenizer)[2:]) == 0
+    for command, main in zip(commands, (train_main, sft_main), strict=True):
+        assert main(shlex.split(command)[3:]) == 0, command
+        assert "dry run: the config is valid" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["data_doc"]  # the tokenizer only
