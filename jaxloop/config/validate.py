@@ -60,12 +60,6 @@ def _check_run(cfg: ml_collections.ConfigDict) -> None:
         raise UsageError(f"model.hf_dir={cfg.model.hf_dir!r} is not a directory")
     if cfg.model.init_checkpoint and not Path(cfg.model.init_checkpoint).is_dir():
         raise UsageError(f"model.init_checkpoint={cfg.model.init_checkpoint!r} does not exist")
-    if cfg.warm_start.sft_steps > 0 and cfg.rollout.engine != "jax":
-        raise UsageError(
-            "warm_start.sft_steps needs rollout.engine=jax (the warm start evaluates with the "
-            "embedded sampler); run python -m jaxloop.sft and pass its run dir as "
-            "model.init_checkpoint instead"
-        )
 
 
 def _check_rollout(cfg: ml_collections.ConfigDict) -> None:

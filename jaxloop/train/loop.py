@@ -22,7 +22,7 @@ from jaxloop.rl.batch import RolloutBatch
 from jaxloop.rl.group_stats import reward_group_stats
 from jaxloop.rollout.api import Policy, RolloutSource
 from jaxloop.rollout.pipeline import RolloutPipeline
-from jaxloop.rollout.producer import build_tokenizer
+from jaxloop.rollout.producer import RolloutProducer, build_tokenizer
 from jaxloop.train.build import actor_config
 from jaxloop.train.checkpoint import (
     TrainCheckpointer,
@@ -100,7 +100,7 @@ class Trainer:
         if cursor is not None:
             self.producer.restore(cursor)
         elif cfg.warm_start.sft_steps > 0:
-            self.run_warm_start()
+            self.run_warm_start(settings)
         # remote engines generate while the learner trains; a source on the learner's devices
         # generates its batch ahead in this thread (the same batches)
         self.pipeline = RolloutPipeline(
@@ -187,15 +187,27 @@ class Trainer:
         last, after = self.cfg.total_updates, self.cfg.stop_after
         return last if after is None else min(last, self.start_update + after)
 
-    def run_warm_start(self) -> None:
+    def run_warm_start(self, settings) -> None:
         """warm_start.sft_steps SFT steps on the fresh actor; the state is then built around
         the warm-started actor (critic backbone and reference copied from it, fresh optimizer
-        states). Its metrics go into update 0's row."""
+        states). Its metrics go into update 0's row. Engines apart from the learner's devices
+        (Ray: vllm, ray_jax): the warm start evaluates and probes with the embedded sampler,
+        beside them (docs/engines.md); they get its policy by the run's first publication."""
         from jaxloop.train.warm_start import warm_start
 
+        probe = self.producer
+        if not self.producer.shares_devices:
+            from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+
+            engine = JaxSamplerEngine(self.setup.actor_abstract, mesh=self.mesh)
+            probe = RolloutProducer(settings, engine)
         actor = self.state.actor_params
         self.state = self.state.replace(actor_params=None)
-        actor, self.warm_start = warm_start(self.cfg, self.setup, self.producer, actor)
+        try:
+            actor, self.warm_start = warm_start(self.cfg, self.setup, probe, actor)
+        finally:
+            if probe is not self.producer:
+                probe.close()  # its KV caches and its reference to the warm-start weights
         self.state = self.learner.rest(self.setup.fresh_state(actor))
 
     @property
