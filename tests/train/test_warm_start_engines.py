@@ -5,9 +5,12 @@ policy by the run's first publication, so update 0's evaluation through them is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.train.helpers import UNIT, run_train
+from tests.train.rewards import char_code_reward
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +42,9 @@ TINY = (
 
 
 def test_a_warm_start_on_vllm_engines(tmp_path, one_device_env):
+    run_dir = tmp_path / "run"
     (row,) = run_train(
-        tmp_path / "run", "grpo.py", *TINY, "--config.rollout.engine=vllm", env=one_device_env
+        run_dir, "grpo.py", *TINY, "--config.rollout.engine=vllm", env=one_device_env
     )
     assert row["warm_start_sft_steps"] == 4.0  # every step ran, each one probed
     assert 0.0 <= row["warm_start_probe_reward"] <= 1.0
@@ -48,3 +52,9 @@ def test_a_warm_start_on_vllm_engines(tmp_path, one_device_env):
     # the engines evaluate the warm-started policy: the embedded sampler's greedy reward of it
     assert row["eval_reward"] == pytest.approx(row["warm_start_eval_after"], abs=1e-6)
     assert row["engine_restarts"] == 0.0
+    # the evaluations through the engines wrote their samples (the Ray manager's rows)
+    for step, mean in ((0, row["eval_reward"]), (1, row["final_eval_reward"])):
+        samples = [json.loads(x) for x in (run_dir / "samples" / f"{step}.jsonl").open()]
+        assert len(samples) == 8
+        assert all(s["reward"] == char_code_reward(s["response"], s["label"]) for s in samples)
+        assert sum(s["reward"] for s in samples) / 8 == pytest.approx(mean, abs=1e-12)
