@@ -78,6 +78,12 @@ def _check_rollout(cfg: ml_collections.ConfigDict) -> None:
             "(rollout.engine=vllm or ray_jax): "
             "the embedded sampler takes the trainer's arrays without a copy, nothing is sent"
         )
+    if cfg.rollout.dynamic_sampling_rounds and cfg.n_samples_per_prompt < 2:
+        raise UsageError(
+            f"rollout.dynamic_sampling_rounds={cfg.rollout.dynamic_sampling_rounds} needs "
+            f"n_samples_per_prompt >= 2 (got {cfg.n_samples_per_prompt}): one sample is no "
+            "group whose rewards could differ"
+        )
     try:
         engine_resources = parse_resources(cfg.rollout.engine_resources)
     except ValueError as e:

@@ -14,8 +14,10 @@ import numpy as np
 from jaxloop.data.datasets import DataError, encode_prompts, make_eval_examples, make_source
 from jaxloop.data.rewards import get_reward, with_row
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
+from jaxloop.data.types import Prompt
 from jaxloop.models.loop_budget import loop_budget_at
 from jaxloop.rollout.api import Policy, Sampler
+from jaxloop.rollout.dynamic_sampling import count_informative, select_groups
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 
@@ -50,6 +52,7 @@ class ProducerSettings:
     # model.loop_budget parsed ((first update, K), ...); () = full depth. The loops of update u
     # are a function of u alone (models.loop_budget), so a resume continues the schedule.
     loop_budget: tuple[tuple[int, int], ...] = ()
+    dynamic_sampling_rounds: int = 0  # rollout.dynamic_sampling_rounds (0: off)
 
 
 def build_tokenizer(spec: str, vocab_size: int):
@@ -242,7 +245,7 @@ class RolloutProducer:
         rewards = np.asarray([row["reward"] for row in rows], np.float64)
         return rewards.reshape(len(examples), k), rows
 
-    def prompt_text(self, prompt: str) -> str:
+    def prompt_text(self, prompt: Prompt) -> str:
         """The text the model sees for `prompt`: the tokenizer's format (its chat template),
         which `encode` tokenizes (after a BOS token, where the tokenizer has one)."""
         return self.tokenizer.format_prompt(prompt)
@@ -250,9 +253,12 @@ class RolloutProducer:
     def requests(self, update: int) -> list[PromptRequest]:
         return self._requests(update, self.source.next_batch(self.settings.prompts_per_update))
 
-    def _requests(self, update: int, examples: list) -> list[PromptRequest]:
+    def _requests(self, update: int, examples: list, draw: int = 0) -> list[PromptRequest]:
+        """The requests of `examples`; `draw` > 0: a further batch of dynamic sampling (its own
+        seeds and group ids; draw 0 is what a run without dynamic sampling draws)."""
         s = self.settings
         n = s.n_samples_per_prompt
+        first_group = (update * (s.dynamic_sampling_rounds + 1) + draw) * s.prompts_per_update
         out = []
         for p, ex in enumerate(examples):
             ids = self.encode(ex.prompt)
@@ -261,8 +267,10 @@ class RolloutProducer:
                 out.append(
                     PromptRequest(
                         ids,
-                        seed=derive_seed(s.seed, update, index),
-                        group_id=update * s.prompts_per_update + p,
+                        seed=derive_seed(s.seed, update, index)
+                        if draw == 0
+                        else derive_seed(s.seed, update, index, draw),
+                        group_id=first_group + p,
                         sample_index=index,
                         label=ex.label,
                         prompt_text=ex.prompt,
@@ -272,16 +280,53 @@ class RolloutProducer:
 
     def produce(self, update: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples of one update with rewards attached; non-finite rewards are dropped and
-        counted (and, for group algorithms, groups left with fewer than 2 samples)."""
+        counted (and, for group algorithms, groups left with fewer than 2 samples). With
+        dynamic sampling, further batches are drawn while fewer than prompts_per_update groups
+        have rewards that differ (rollout/dynamic_sampling.py)."""
         sampling = self.sampling
         loops = loop_budget_at(self.settings.loop_budget, update)
         if loops is not None:
             sampling = dataclasses.replace(sampling, num_loops=loops)
+        kept, dropped, drawn = self._draw(update, 0, sampling)
+        rounds, wanted = self.settings.dynamic_sampling_rounds, self.settings.prompts_per_update
+        extra: dict[str, float] = {}
+        if rounds:
+            draw = 0
+            while draw < rounds and count_informative(kept) < wanted:
+                draw += 1
+                more_kept, more_dropped, more_drawn = self._draw(update, draw, sampling)
+                kept, dropped, drawn = kept + more_kept, dropped + more_dropped, drawn + more_drawn
+            # the sampled reward of the policy: every finite reward drawn, chosen or not
+            finite = np.array([x.reward for x in kept], np.float64)
+            kept, informative = select_groups(kept, wanted)
+            extra = {
+                "dynamic_sampling_draws": float(draw + 1),
+                "dynamic_informative_groups": informative / wanted,
+            }
+        rewards = finite if rounds else np.array([x.reward for x in kept], np.float64)
+        stats = {
+            "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
+            "response_length": float(np.mean([len(x.response_ids) for x in drawn])),
+            "dropped_samples": float(dropped),
+            "num_samples": float(len(kept)),
+            "tokens_checksum": float(tokens_checksum(drawn)),
+            **extra,
+        }
+        stats.update(getattr(self.engine, "stats", lambda: {})())
+        return kept, stats
+
+    def _draw(
+        self, update: int, draw: int, sampling: SamplingConfig
+    ) -> tuple[list[Sample], int, list[Sample]]:
+        """One batch of prompts generated and scored: (kept samples, dropped count, all
+        samples)."""
+        n = self.settings.n_samples_per_prompt
         examples = self.source.next_batch(self.settings.prompts_per_update)
-        samples = self.engine.generate(self._requests(update, examples), sampling)
+        samples = self.engine.generate(self._requests(update, examples, draw), sampling)
         kept, dropped = [], 0
         for sample in samples:  # the rows stay here: only the requests go to the engines
-            row = examples[sample.sample_index // self.settings.n_samples_per_prompt].reward_row()
+            row = examples[sample.sample_index // n].reward_row()
             sample.response_text = self.response_text(sample)
             sample.reward = self.score(sample.response_text, sample.label, row)
             if math.isfinite(sample.reward):
@@ -295,14 +340,4 @@ class RolloutProducer:
             complete = [x for x in kept if sizes[x.group_id] >= 2]
             dropped += len(kept) - len(complete)
             kept = complete
-        rewards = np.array([x.reward for x in kept], np.float64)
-        stats = {
-            "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
-            "response_length": float(np.mean([len(x.response_ids) for x in samples])),
-            "dropped_samples": float(dropped),
-            "num_samples": float(len(kept)),
-            "tokens_checksum": float(tokens_checksum(samples)),
-        }
-        stats.update(getattr(self.engine, "stats", lambda: {})())
-        return kept, stats
+        return kept, dropped, samples

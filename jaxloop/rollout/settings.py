@@ -136,6 +136,17 @@ class RolloutSection:
         resume=FREE,
     )
 
+    # DAPO's dynamic sampling (jaxloop/rollout/dynamic_sampling.py); 0 keeps every drawn group
+    dynamic_sampling_rounds: int = knob(
+        0,
+        (
+            "dynamic sampling (DAPO): up to this many further prompt batches are drawn per "
+            "update, and groups whose rewards are all equal give way to groups whose rewards "
+            "differ (0: off; needs n_samples_per_prompt >= 2)"
+        ),
+        count(0, 64),
+    )
+
     # batches generated ahead by up to this many policy versions while the learner trains
     # (0: synchronous; jaxloop/rollout/pipeline.py)
     max_staleness: int = knob(

@@ -300,6 +300,7 @@ def producer_settings(cfg, requires_groups: bool) -> ProducerSettings:
             loop_logprobs=cfg.algo.loop_credit != "last" and cfg.rollout.engine == "jax",
         ),
         loop_budget=parse_loop_budget(cfg.model.loop_budget),
+        dynamic_sampling_rounds=cfg.rollout.dynamic_sampling_rounds,
     )
 
 
