@@ -38,14 +38,17 @@ TRL shuffles the generation batch before splitting it); prompts_per_update x n_s
 / updates_per_rollout -> per_device_train_batch_size (gradient_accumulation_steps=1: the same
 gradient as jaxloop's micro-batches); total_updates x updates_per_rollout -> max_steps; optim
 lr / b1 / b2 / weight_decay / grad_clip / schedule (constant, constant with warm-up, cosine,
-linear over the same steps) / warmup_steps; algo.clip_eps / clip_eps_high -> epsilon /
+linear over the same steps) / warmup_steps; algo.entropy_coef -> entropy_coef (TRL: the coefficient
+x the batch's mean per-token entropy; jaxloop: subtracted from each token's loss before the
+reduction; equal where responses are equally long); algo.clip_eps / clip_eps_high -> epsilon /
 epsilon_high; algo.kl_coef -> beta (both the k3 estimator); algo.grpo_use_std -> scale_rewards
 group / none; algo.reduction seq_mean_token_mean -> loss_type grpo, token_mean -> bnpo; rollout
 temperature / top_p / top_k / max_new_tokens; the `format` reward (the same arithmetic); the
 prompts and their order.
 Refused (ValueError, exit 2) rather than dropped: an algorithm other than grpo for a peer (the
-peers run the grpo rows only), algo.entropy_coef != 0, algo.dual_clip, a KL estimator other than
-k3 with kl_coef > 0, optim.name sgd, a linear schedule with warm-up, learner.pack_tokens.
+peers run the grpo rows only), rollout.dynamic_sampling_rounds != 0, algo.dual_clip, a KL
+estimator other than k3 with kl_coef > 0, optim.name sgd, a linear schedule with warm-up,
+learner.pack_tokens.
 Not mapped (they differ by construction): the random streams of sampling (torch vs JAX: the same
 distribution, not the same samples), Adam's eps (both 1e-8 by default, not read), jaxloop's
 staleness / engines (none in the default recipe), bf16 settings (both run fp32 here).

@@ -63,7 +63,7 @@ def trl_settings(cfg) -> dict:
     a, o, r = cfg.algo, cfg.optim, cfg.rollout
     refused = {
         "algorithm (the peers run GRPO)": cfg.algorithm != "grpo",
-        "algo.entropy_coef": a.entropy_coef != 0,
+        "rollout.dynamic_sampling_rounds": r.dynamic_sampling_rounds != 0,
         "algo.dual_clip": a.dual_clip is not None,
         "algo.kl_estimator (TRL's KL is k3)": a.kl_coef > 0 and a.kl_estimator != "k3",
         "optim.name (TRL here: AdamW)": o.name != "adamw",
@@ -94,6 +94,9 @@ def trl_settings(cfg) -> dict:
         "top_p": r.top_p,
         "top_k": r.top_k or 0,
         "beta": a.kl_coef,
+        # TRL adds entropy_coef x the mean per-token entropy of the batch; jaxloop subtracts it
+        # from each token's loss before its reduction: equal where responses are equally long
+        "entropy_coef": a.entropy_coef,
         "epsilon": a.clip_eps,
         "epsilon_high": a.clip_eps if a.clip_eps_high is None else a.clip_eps_high,
         "loss_type": _TRL_LOSS_TYPES[a.reduction],

@@ -68,10 +68,11 @@ def test_trl_settings_follow_the_resolved_config():
     assert lp.trl_settings(_cfg("--config.algo.grpo_use_std=false"))["grpo"]["scale_rewards"] == (
         "none"
     )
+    assert lp.trl_settings(_cfg("--config.algo.entropy_coef=0.05"))["grpo"]["entropy_coef"] == 0.05
 
 
 @pytest.mark.parametrize(
-    "override", ["--config.algo.entropy_coef=0.01", "--config.algo.dual_clip=3.0"]
+    "override", ["--config.rollout.dynamic_sampling_rounds=2", "--config.algo.dual_clip=3.0"]
 )
 def test_trl_settings_refuse_what_does_not_map(override):
     with pytest.raises(ValueError, match="no TRL counterpart"):
