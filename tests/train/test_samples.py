@@ -147,3 +147,65 @@ def test_the_writer_drops_later_files_and_writes_whole_files(tmp_path):
         "5.jsonl",
         "notes.jsonl",
     ]
+
+
+def verl_row_reward(response: str, label: str, *, row: dict) -> float:
+    """Reads the verl row's own columns: 1 when the label is its reward_model.ground_truth."""
+    return float(label == row["reward_model"]["ground_truth"] and row["data_source"] == "toy")
+
+
+def test_chat_message_prompts_are_rendered_in_the_rows(tok_dir, tmp_path):
+    """verl's shape: `prompt` a list of chat messages, the label under
+    reward_model.ground_truth; the rows' prompt_text is the chat template of the messages."""
+    from flax import nnx
+
+    from jaxloop.config import parse_args
+    from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
+    from jaxloop.rollout.api import Policy
+    from jaxloop.rollout.jax_sampler import JaxSamplerEngine
+    from jaxloop.rollout.producer import RolloutProducer
+    from jaxloop.train.setup import producer_settings
+
+    data = tmp_path / "verl.jsonl"
+    messages = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}],
+        [{"role": "user", "content": "What is 7 times 6?"}],
+    ]
+    rows = [
+        {"data_source": "toy", "prompt": m, "reward_model": {"ground_truth": answer}}
+        for m, answer in zip(messages, ("5", "42"), strict=True)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_args(
+        [
+            "--config",
+            "grpo.py",
+            f"--config.data.source={data}",
+            f"--config.data.eval_source={data}",
+            "--config.data.label_key=reward_model.ground_truth",
+            f"--config.data.tokenizer={tok_dir}",
+            "--config.data.max_prompt_tokens=128",
+            f"--config.data.reward={__name__}:verl_row_reward",
+            "--config.rollout.max_new_tokens=4",
+            "--config.eval_prompts=2",
+        ]
+    )
+    settings = producer_settings(cfg, requires_groups=True)
+    model = LoopedLM(
+        LoopedConfig.from_hf_dict(tiny_hf_config("nanbeige", vocab_size=320)), rngs=nnx.Rngs(0)
+    )
+    producer = RolloutProducer(settings, JaxSamplerEngine(model))
+    producer.publish(Policy(nnx.state(model), 0, model.config))
+    mean, samples = producer.evaluate_samples()
+    assert samples[0]["prompt_text"] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert samples[1]["prompt_text"] == (
+        "<|im_start|>user\nWhat is 7 times 6?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert [s["label"] for s in samples] == ["5", "42"]
+    assert [s["reward"] for s in samples] == [1.0, 1.0] and mean == 1.0  # the rows' own columns
+    path = tmp_path / "samples.jsonl"
+    write_samples(path, samples)
+    assert _read(path) == samples
