@@ -28,7 +28,6 @@ import jax
 from flax import nnx
 
 from jaxloop.config import UsageError, format_tree, parse_command, validate_mesh
-from jaxloop.data.datasets import sft_data
 from jaxloop.io.hf import abstract_model
 from jaxloop.io.orbax import RunDirError, write_text_atomic
 from jaxloop.metrics import MetricsWriter, progress
@@ -37,7 +36,7 @@ from jaxloop.parallel import mesh as shd
 from jaxloop.rl.sft import SFTStepper
 from jaxloop.rl.state import abstract_params, build_train_state, state_shardings
 from jaxloop.rollout.api import Policy
-from jaxloop.rollout.producer import RolloutProducer, derive_seed
+from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.train.checkpoint import TrainCheckpointer
 from jaxloop.train.guards import (
     check_model_source,
@@ -45,11 +44,7 @@ from jaxloop.train.guards import (
     run_cleaning_up,
     run_dir_lock,
 )
-from jaxloop.train.warm_start import (
-    WARM_START_SEED,
-    SFTData,
-    sft_optimizer,
-)
+from jaxloop.train.warm_start import sft_batches, sft_optimizer
 
 # what `python -m jaxloop.sft` reads (a section name covers its keys)
 SFT_KEYS = (
@@ -182,15 +177,7 @@ class SFTRun:
         self.producer = RolloutProducer(
             settings, JaxSamplerEngine(self.actor_abstract, mesh=self.mesh)
         )
-        self.data = SFTData(
-            {
-                **sft_data(settings.data, cfg.sft.source),
-                "seed": derive_seed(cfg.seed, WARM_START_SEED),
-            },
-            self.producer.tokenizer,
-            cfg.data.max_prompt_tokens,
-            cfg.sft.batch_size,
-        )
+        self.data = sft_batches(cfg, settings.data, self.producer.tokenizer)
         from jaxloop.io.run_dir import checkpoint_steps
         from jaxloop.train.checkpoint import check_fresh_start
 
@@ -322,8 +309,7 @@ def sft_preflight(cfg) -> None:
     )
     producer = RolloutProducer(settings, engine=None)
     check_tokenizer_fits(settings.tokenizer, producer.tokenizer, stored_vocab_size(cfg))
-    data = sft_data(settings.data, cfg.sft.source)
-    SFTData(data, producer.tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    sft_batches(cfg, settings.data, producer.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,10 @@ def preflight(cfg):
     settings = run_producer_settings(cfg, algo.requires_groups, vocab)
     producer = RolloutProducer(settings, engine=None)  # the data / tokenizer / reward errors
     check_tokenizer_fits(settings.tokenizer, producer.tokenizer, vocab)
+    if cfg.warm_start.sft_steps > 0:  # the warm start's rows (sft.source's): their errors too
+        from jaxloop.train.warm_start import sft_batches
+
+        sft_batches(cfg, settings.data, producer.tokenizer)
     return algo
 
 

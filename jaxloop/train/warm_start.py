@@ -69,6 +69,14 @@ class SFTData:
         self.source.restore(state)
 
 
+def sft_batches(cfg, data: dict, tokenizer) -> SFTData:
+    """The SFT batches of `jaxloop.sft` and of the warm start (whose preflight builds them too):
+    sft.source's rows when it is set, else `data`'s (the producer's data settings) {prompt,
+    label} rows, in the warm start's own data order."""
+    data_cfg = {**sft_data(data, cfg.sft.source), "seed": derive_seed(cfg.seed, WARM_START_SEED)}
+    return SFTData(data_cfg, tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+
+
 def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
     """What `warm_start.stop_at_reward` is measured on: up to `n` held-out prompts past the
     `eval_prompts` that evaluation reports (a validation set: neither trained on nor reported),
@@ -110,11 +118,7 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     # engines holds neither (the engines never see text)
     settings = producer_settings(cfg, requires_groups=False)
     tokenizer = build_tokenizer(settings.tokenizer, setup.model_cfg.vocab_size)
-    data_cfg = {
-        **sft_data(settings.data, cfg.sft.source),
-        "seed": derive_seed(cfg.seed, WARM_START_SEED),
-    }
-    data = SFTData(data_cfg, tokenizer, cfg.data.max_prompt_tokens, cfg.sft.batch_size)
+    data = sft_batches(cfg, settings.data, tokenizer)
     probe = None
     if ws.stop_at_reward is not None:
         probe = probe_examples(settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)

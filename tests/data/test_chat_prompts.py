@@ -26,13 +26,12 @@ from jaxloop.data.datasets import (
     encode_prompts,
     load_examples,
     make_eval_examples,
-    sft_data,
 )
 from jaxloop.data.tokenizer import CharTokenizer, HFTokenizer
 from jaxloop.data.types import Example, Message
 from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.train.setup import producer_settings
-from jaxloop.train.warm_start import SFTData
+from jaxloop.train.warm_start import sft_batches
 from tests.test_bad_inputs import one_error_line
 from tests.train.helpers import TINY
 
@@ -306,6 +305,8 @@ def test_sft_prompt_tokens_are_the_rollouts_token_for_token(tok_dir, tmp_path):
         "--config.prompts_per_update=4",
         "--config.n_samples_per_prompt=2",
         template,
+        f"--config.sft.source={sft}",
+        "--config.sft.batch_size=4",
     )
     settings = producer_settings(cfg, requires_groups=True)
     producer = RolloutProducer(settings, engine=None)
@@ -313,7 +314,7 @@ def test_sft_prompt_tokens_are_the_rollouts_token_for_token(tok_dir, tmp_path):
     for request in producer.requests(0):
         rollout[request.label] = list(request.prompt_ids)
     tok = producer.tokenizer
-    data = SFTData(sft_data(settings.data, str(sft)), tok, 128, 4)
+    data = sft_batches(cfg, settings.data, tok)  # jaxloop.sft's and the warm start's batches
     batch = data.next_batch()
     seen = {}
     for i in range(4):

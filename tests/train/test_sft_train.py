@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.train.helpers import TINY, read_rows, run_train, stable
 from tests.train.test_resume import _checkpoint_arrays
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SFT_ARGS = (
     "--config.model.hidden_size=32",
@@ -256,3 +259,49 @@ def test_sft_on_chat_rows_trains_on_the_response_tokens_only(tmp_path):
     assert [r["sft_tokens"] for r in metrics] == [expected_tokens] * 3
     assert metrics[-1]["sft_loss"] < metrics[0]["sft_loss"]
     assert json.loads((run / "config.json").read_text())["sft"]["source"] == str(rows)
+
+
+def test_warm_start_reads_sft_source_and_rl_runs_on_chat_prompts(tmp_path, capsys):
+    """A GRPO run on verl-style chat rows (data.source / data.eval_source: prompt messages, label
+    at reward_model.ground_truth) whose warm start trains on sft.source's chat rows: it runs, its
+    samples show the chat-templated prompt the tokenizer renders; a bad sft.source row is refused
+    by the dry run in one line (the warm start's rows are checked before anything is built)."""
+    from jaxloop.data.tokenizer import HFTokenizer
+    from jaxloop.data.types import Message
+    from jaxloop.train.cli import main as train_main
+    from tests.data.test_chat_prompts import SFT_ROWS, build_bpe, write_jsonl
+    from tests.test_bad_inputs import one_error_line
+
+    tok_dir = build_bpe(tmp_path / "tok")
+    chat = ROOT / "examples" / "gsm8k_chat_tiny.jsonl"
+    sft = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    args = (
+        *TINY,
+        "--config.model.vocab_size=320",
+        f"--config.data.tokenizer={tok_dir}",
+        f"--config.data.source={chat}",
+        f"--config.data.eval_source={chat}",
+        "--config.data.label_key=reward_model.ground_truth",
+        "--config.data.max_prompt_tokens=160",
+        "--config.data.reward=math_verify",
+        "--config.rollout.max_new_tokens=4",
+        "--config.eval_prompts=4",
+        "--config.warm_start.sft_steps=2",
+        "--config.sft.batch_size=8",
+        "--config.total_updates=1",
+    )
+    rows = run_train(tmp_path / "run", "grpo.py", *args, f"--config.sft.source={sft}")
+    assert rows[0]["warm_start_sft_steps"] == 2 and rows[0]["num_samples"] == 8
+    samples = [json.loads(x) for x in open(tmp_path / "run" / "samples" / "0.jsonl")]
+    first = json.loads(open(chat).readline())
+    messages = tuple(Message(m["role"], m["content"]) for m in first["prompt"])
+    rendered = HFTokenizer(tok_dir).format_prompt(messages)
+    assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("assistant\n")
+    assert rendered in {s["prompt_text"] for s in samples}
+    bad = write_jsonl(tmp_path / "bad.jsonl", [SFT_ROWS[0], {"messages": [{"role": "bot"}]}])
+    never = tmp_path / "never"
+    argv = ["--config", "grpo.py", *args, f"--config.sft.source={bad}"]
+    capsys.readouterr()
+    code = train_main([*argv, f"--config.run_dir={never}", "--dry-run"])
+    one_error_line(capsys, code, f"{bad}: line 2 key messages[0].role is 'bot'")
+    assert not never.exists()
