@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxloop.data.datasets import RowShape, load_examples
+from jaxloop.data.rewards import get_reward
 from jaxloop.data.tokenizer import HFTokenizer
 from jaxloop.evaluate import main as evaluate_main
 from jaxloop.train.samples import SamplesWriter, sample_steps, write_samples
@@ -114,6 +115,15 @@ def test_evaluate_samples_out_writes_the_same_rows(run, tmp_path, capsys):
     # the checkpoint after 2 updates is the policy of the run's final evaluation: the same rows
     assert samples == _read(run / "samples" / "2.jsonl")
     assert list(tmp_path.iterdir()) == [out]  # no temporary file left beside it
+    # another reward (--reward math_verify): its rows recompute with it too
+    out.unlink()
+    argv = ["--checkpoint", str(run), "--reward", "math_verify", "--samples-out", str(out)]
+    assert evaluate_main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    verify = get_reward("math_verify")
+    samples = _read(out)
+    assert [s["reward"] for s in samples] == [verify(s["response"], s["label"]) for s in samples]
+    assert math.fsum(s["reward"] for s in samples) / 6 == pytest.approx(result["greedy_reward"])
 
 
 def test_a_bad_samples_out_is_one_line_and_writes_nothing(run, tmp_path, capsys):
