@@ -1,9 +1,11 @@
 """`python -m jaxloop.sft --config sft.py [--config.key=value ...]`: supervised fine-tuning.
 
-Teacher-forced cross-entropy on `{prompt, label}` data (`data.source`: the built-in task's train
-split, or a JSONL / Parquet file), the loss on the answer tokens and EOS only. The same model,
-tokenizer, mesh, optimizer family, progress bar, metrics.jsonl / TensorBoard / curves.png, orbax
-checkpoints and resume as `jaxloop.train`; `sft.steps` optimizer steps of `sft.batch_size`
+Teacher-forced cross-entropy on `sft.source`'s rows (JSONL / Parquet: `{prompt, response}`, the
+prompt a string or chat messages, or `{messages}`, the last assistant message the target), else on
+`data.source`'s `{prompt, label}` rows (the built-in task's train split, or a file), the loss on
+the response tokens and EOS only; a prompt's tokens are the rollout's (docs/data.md). The same
+model, tokenizer, mesh, optimizer family, progress bar, metrics.jsonl / TensorBoard / curves.png,
+orbax checkpoints and resume as `jaxloop.train`; `sft.steps` optimizer steps of `sft.batch_size`
 examples at the constant `sft.lr`; every `eval_every` steps the greedy exact-match accuracy on the
 held-out split (`eval_accuracy`).
 

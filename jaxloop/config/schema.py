@@ -73,7 +73,7 @@ class SftSection:
         ),
     )
     batch_size: int = knob(
-        64, "{prompt, label} examples per SFT step (loss on the answer tokens and EOS)", count(1)
+        64, "rows per SFT step (loss on the response / label tokens and EOS)", count(1)
     )
     lr: float = knob(
         0.003,
@@ -92,9 +92,9 @@ class WarmStartSection:
     sft_steps: int = knob(
         0,
         (
-            ">0: this many SFT steps (sft.batch_size, sft.lr) on the task's train split before "
-            "update 0 of a fresh run (recorded in the checkpoint: a resume never repeats it); "
-            "the critic and reference copy the warm-started actor"
+            ">0: this many SFT steps (sft.batch_size, sft.lr) on sft.source (else data.source) "
+            "before update 0 of a fresh run (recorded in the checkpoint: a resume never "
+            "repeats it); the critic and reference copy the warm-started actor"
         ),
         count(0),
     )
