@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -104,6 +105,31 @@ def _summary_writer_class():
     return SummaryWriter
 
 
+# tensorboardX writes events in a thread of its own: a write the file system refuses there (a
+# full disk) ends that thread, after which its bounded queue fills and the next add_scalar
+# blocks for ever. The thread's exception is kept here (not printed) and raised by the next
+# write, in the trainer's thread (one line, exit 2, at the entry point's boundary).
+_TB_FAILURES: dict[int, BaseException] = {}
+_THREAD_HOOK = threading.excepthook
+
+
+def _keep_tb_failures(args) -> None:
+    if type(args.thread).__module__.startswith("tensorboardX") and args.exc_value is not None:
+        _TB_FAILURES[id(args.thread)] = args.exc_value
+    else:
+        _THREAD_HOOK(args)
+
+
+threading.excepthook = _keep_tb_failures
+
+
+def _raise_tb_failure(tb) -> None:
+    for writer in (tb.all_writers or {}).values():
+        worker = getattr(writer.event_writer, "_worker", None)
+        if worker is not None and id(worker) in _TB_FAILURES:
+            raise _TB_FAILURES.pop(id(worker))
+
+
 class MetricsWriter:
     """`write(update, metrics)` appends {"update": update, **metrics} and logs TB scalars."""
 
@@ -150,6 +176,7 @@ class MetricsWriter:
         if self._tb is not None:
             for key, value in row.items():
                 if key != "update" and value is not None:
+                    _raise_tb_failure(self._tb)
                     self._tb.add_scalar(key, value, global_step=row["update"])
         return row
 
@@ -166,8 +193,16 @@ class MetricsWriter:
             self._file.close()
             self._file = None
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            _raise_tb_failure(tb)  # its writer thread ended: closing would wait for it for ever
+            try:
+                tb.close()
+            except OSError:  # a refused flush (a full disk): its writer thread would fail at exit
+                for writer in (tb.all_writers or {}).values():
+                    worker = getattr(writer.event_writer, "_worker", None)
+                    if worker is not None and worker.is_alive():
+                        worker.stop()
+                raise
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -51,6 +51,7 @@ from jaxloop.models import digests
 from jaxloop.parallel import mesh as shd
 from jaxloop.rl.algorithms import get_algorithm
 from jaxloop.rl.state import TrainState
+from jaxloop.train.write_refusals import write_refusals_as_os_errors
 
 
 def _abstract(tree, shardings):
@@ -128,8 +129,9 @@ class TrainCheckpointer:
             "skipped_updates": int(state.skipped_updates),
         }
         args[TRAIN_STATE] = ocp.args.JsonSave({**counters, **extra})
-        self.manager.save(state.update_count, args=ocp.args.Composite(**args), force=True)
-        self.manager.wait_until_finished()
+        with write_refusals_as_os_errors(self.run_dir, state.update_count, self.latest_step()):
+            self.manager.save(state.update_count, args=ocp.args.Composite(**args), force=True)
+            self.manager.wait_until_finished()
         if jax.process_index() == 0:
             step_dir = self.run_dir / CHECKPOINT_DIR / str(state.update_count)
             self.digest_seconds = digests.write_digests(step_dir)

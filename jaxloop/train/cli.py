@@ -9,7 +9,9 @@ mismatch or non-finite updates; 1 anything else (a bug, with its traceback).
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     exits with code 3; anything else is a
     bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        # a file-size limit (ulimit -f, RLIMIT_FSIZE) kills with SIGXFSZ by default: ignored,
+        # the write fails with EFBIG instead and the run ends in one line (exit 2)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     return run_cleaning_up(lambda cleanup: _main(argv, cleanup))
 
 

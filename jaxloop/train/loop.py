@@ -3,6 +3,7 @@ checkpoints. A run dir that holds a checkpoint resumes from it automatically."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -237,7 +238,10 @@ class Trainer:
         finally:
             self.pipeline.close()
             bar.close(summary=finished)  # a failed run: its error is the one line
-            self.metrics.close()
+            # a run failing on a refused write (a full disk): the metrics' last flush fails too;
+            # the first error is the one reported
+            with contextlib.suppress(OSError) if sys.exc_info()[1] else contextlib.nullcontext():
+                self.metrics.close()
             self.checkpointer.close()
             self.producer.close()
         return 0
