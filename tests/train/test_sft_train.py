@@ -262,12 +262,14 @@ def test_sft_on_chat_rows_trains_on_the_response_tokens_only(tmp_path):
 
 
 def test_warm_start_reads_sft_source_and_rl_runs_on_chat_prompts(tmp_path, capsys):
-    """A GRPO run on verl-style chat rows (data.source / data.eval_source: prompt messages, label
-    at reward_model.ground_truth) whose warm start trains on sft.source's chat rows: it runs, its
-    samples show the chat-templated prompt the tokenizer renders; a bad sft.source row is refused
-    by the dry run in one line (the warm start's rows are checked before anything is built)."""
+    """A GRPO run on verl-style chat rows (data.source: prompt messages, label at
+    reward_model.ground_truth) whose warm start trains on sft.source's chat rows runs;
+    jaxloop.evaluate --data on the same rows scores them and its samples show the chat-templated
+    prompt the tokenizer renders; a bad sft.source row is refused by the dry run in one line (the
+    warm start's rows are checked before anything is built)."""
     from jaxloop.data.tokenizer import HFTokenizer
     from jaxloop.data.types import Message
+    from jaxloop.evaluate import main as evaluate_main
     from jaxloop.train.cli import main as train_main
     from tests.data.test_chat_prompts import SFT_ROWS, build_bpe, write_jsonl
     from tests.test_bad_inputs import one_error_line
@@ -280,24 +282,28 @@ def test_warm_start_reads_sft_source_and_rl_runs_on_chat_prompts(tmp_path, capsy
         "--config.model.vocab_size=320",
         f"--config.data.tokenizer={tok_dir}",
         f"--config.data.source={chat}",
-        f"--config.data.eval_source={chat}",
         "--config.data.label_key=reward_model.ground_truth",
         "--config.data.max_prompt_tokens=160",
         "--config.data.reward=math_verify",
         "--config.rollout.max_new_tokens=4",
-        "--config.eval_prompts=4",
         "--config.warm_start.sft_steps=2",
         "--config.sft.batch_size=8",
         "--config.total_updates=1",
     )
     rows = run_train(tmp_path / "run", "grpo.py", *args, f"--config.sft.source={sft}")
     assert rows[0]["warm_start_sft_steps"] == 2 and rows[0]["num_samples"] == 8
-    samples = [json.loads(x) for x in open(tmp_path / "run" / "samples" / "0.jsonl")]
     first = json.loads(open(chat).readline())
     messages = tuple(Message(m["role"], m["content"]) for m in first["prompt"])
     rendered = HFTokenizer(tok_dir).format_prompt(messages)
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("assistant\n")
-    assert rendered in {s["prompt_text"] for s in samples}
+    # jaxloop.evaluate --data on the same chat rows, read with the run's row shape
+    out = tmp_path / "eval_samples.jsonl"
+    argv = ["--checkpoint", str(tmp_path / "run"), "--data", str(chat), "--prompts", "2"]
+    capsys.readouterr()
+    assert evaluate_main([*argv, "--samples-out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompts"] == 2  # its JSON line
+    evaluated = [json.loads(x) for x in open(out)]
+    assert evaluated[0]["prompt_text"] == rendered and evaluated[0]["label"] == "56"
     bad = write_jsonl(tmp_path / "bad.jsonl", [SFT_ROWS[0], {"messages": [{"role": "bot"}]}])
     never = tmp_path / "never"
     argv = ["--config", "grpo.py", *args, f"--config.sft.source={bad}"]
