@@ -74,6 +74,7 @@ from learning_peers import (  # noqa: E402
     START_FROM_PREP,
     compare,
     curve_mean,
+    end_gap,
     parse_systems,
     peer_python_error,
     plot_curves,
@@ -194,6 +195,7 @@ def run_one(algorithm, task, warm, seed, args, extra, start_from=None) -> dict:
         train_minutes=round(points[-1][2], 2) if points else None,
         curve=[[u, round(r, 3)] for u, r, _ in points],
         curve_mean=curve_mean([[u, r] for u, r, _ in points]),
+        end_gap=end_gap([[u, r] for u, r, _ in points]),
     )
     return row
 
@@ -289,7 +291,7 @@ def main() -> int:
     log.close()
     head = (
         f"{'system':<8} {'algorithm':<10} {'task':<12} {'seed':>4} {'before':>6} {'@0':>6} "
-        f"{'final':>6} {'mean':>6} {'upd>=' + format(args.target, 'g'):>8} {'min>=':>6} "
+        f"{'final':>6} {'mean':>6} {'gap':>5} {'upd>=' + format(args.target, 'g'):>8} {'min>=':>6} "
         f"{'train min':>9}  pass"
     )
     print(head)
@@ -306,6 +308,7 @@ def main() -> int:
         print(
             f"{lead} {fmt(r['eval_before']):>6} "
             f"{fmt(r['eval_at_0']):>6} {fmt(r['final']):>6} {fmt(r['curve_mean']):>6} "
+            f"{fmt(r.get('end_gap')):>5} "
             f"{fmt(r.get('updates_to_target'), 'd'):>8} {fmt(r.get('minutes_to_target')):>6} "
             f"{fmt(r.get('train_minutes')):>9}  {r['pass']}"
         )

@@ -152,6 +152,16 @@ def curve_mean(curve: list) -> float | None:
     return round(sum(r for _, r in curve) / len(curve), 4) if curve else None
 
 
+def end_gap(curve: list) -> float | None:
+    """The best greedy eval of the curve's last half minus its final one (0: the run ends at
+    its late peak; issue 37 asks <= 0.03)."""
+    if not curve:
+        return None
+    last = curve[-1][0]
+    late = [r for u, r in curve if u >= last / 2]
+    return round(max(late) - curve[-1][1], 4)
+
+
 def run_timed(cmd: list[str], row: dict) -> bool:
     """Runs `cmd`; `row` gains its wall minutes and, on failure, ok=False and stderr's last
     line. True when it succeeded."""
@@ -191,6 +201,7 @@ def run_trl(prep: Path, trl_python: str, row: dict) -> dict:
         final=curve[-1][1] if curve else None,
         curve=curve,
         curve_mean=curve_mean(result["curve"]),
+        end_gap=end_gap(result["curve"]),
         logits_max_abs_diff_vs_jaxloop=result["logits_max_abs_diff_vs_jaxloop"],
     )
     return row

@@ -159,3 +159,10 @@ def test_jaxloop_and_trl_from_one_start(tmp_path):
     assert [u for u, _ in jax_row["curve"]] == [u for u, _ in trl_row["curve"]] == [0, 2]
     assert trl_row["logits_max_abs_diff_vs_jaxloop"] < 1e-3
     assert (out / "curves-grpo-reverse2-warm.png").stat().st_size > 0
+
+
+def test_end_gap_is_the_late_peak_minus_the_final_eval():
+    # the peak of the first half (0.9 at update 20) does not count; the late peak 0.8 does
+    assert lp.end_gap([[0, 0.1], [20, 0.9], [40, 0.5], [60, 0.8], [80, 0.7]]) == 0.1
+    assert lp.end_gap([[0, 0.1], [40, 0.5], [80, 0.9]]) == 0.0
+    assert lp.end_gap([]) is None
