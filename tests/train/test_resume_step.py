@@ -139,14 +139,26 @@ def test_a_step_that_does_not_verify_is_refused_and_nothing_moves(
     assert _files(run_dir) == before and not (run_dir / "checkpoints.discarded").exists()
 
 
-def test_a_damaged_newest_step_offers_resume_step(tmp_path, reference, one_device_env):
-    """Without the key, a damaged newest step names the key that resumes from the older one."""
+def _empty(run_dir: Path, step: int) -> None:
+    step_dir = run_dir / "checkpoints" / str(step)
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"), [(_damage, "is corrupt"), (_empty, "is incomplete")], ids=["flip", "empty"]
+)
+def test_a_damaged_newest_step_offers_resume_step(
+    tmp_path, reference, one_device_env, damage, said
+):
+    """Without the key, a damaged newest step (a flipped byte; emptied) is one line (stderr of a
+    real process) naming the key that resumes from the older one."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    _damage(run_dir, 3)
+    damage(run_dir, 3)
     before = _files(run_dir)
     line = _refused(_run(run_dir, "--config.total_updates=4", env=one_device_env))
-    assert "checkpoint 3 is corrupt" in line, line
+    assert f"checkpoint 3 {said}" in line, line
     assert line.endswith(
         f"(checkpoint 2 verifies: move {run_dir / 'checkpoints' / '3'} out of checkpoints/ or "
         "pass --config.resume_step=2 to resume from it)"
