@@ -51,15 +51,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 GROUP_SECONDS = {
     "train-vllm": 740,
     "ray-cluster": 520,
-    "real-engines": 460,
+    "real-engines": 550,
     "tests.train.test_learning": 420,  # four 150-update runs
     "tests.train.test_resume": 260,
     "tests.train.test_mesh": 250,
     "tests.rl.test_learner": 240,
     "tests.train.test_chaos": 200,
     "tests.train.test_cli": 180,
-    "tests.train.test_sft_train": 150,
+    "tests.train.test_sft_train": 240,
     "tests.rl.test_loop_credit": 120,
+    "tests.train.test_samples": 85,
     "tests.test_bad_inputs": 120,
     "tests.rl.test_packing": 110,
     "tests.test_e2e_official": 80,

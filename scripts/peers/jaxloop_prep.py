@@ -97,7 +97,7 @@ def main() -> int:
     prompts = []
     for update in range(args.updates):
         for ex in source.next_batch(cfg.prompts_per_update):
-            ids = tok.encode_prompt(tok.format_prompt(ex.prompt))
+            ids = tok.encode_prompt(ex.prompt)
             prompts.append({"update": update, "prompt": ex.prompt, "label": ex.label, "ids": ids})
     (out / "prompts.json").write_text(json.dumps(prompts, indent=0))
     with open(out / "prompts.jsonl", "w") as f:
@@ -117,7 +117,7 @@ def main() -> int:
         {
             "prompt": ex.prompt,
             "label": ex.label,
-            "ids": tok.encode_prompt(tok.format_prompt(ex.prompt)),
+            "ids": tok.encode_prompt(ex.prompt),
         }
         for ex in held_out
     ]
