@@ -39,7 +39,7 @@ def _lists() -> int:
 def test_checkpoint_saves_keep_no_objects(tmp_path):
     """tensorstore 0.1.86 leaks the metrics orbax collects around every array write (~0.34 MB
     per trainer checkpoint: the soak's host RSS rose steadily); jaxloop.io.orbax stops orbax
-    from collecting them. 20 saves of a tiny model leave no lists behind (24 per save before)."""
+    from collecting them. 20 saves of a tiny model leave 22 lists (480 without that)."""
     from flax import nnx
 
     from jaxloop.families import tiny_hf_config
