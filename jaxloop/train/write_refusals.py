@@ -36,12 +36,24 @@ def _refused_errno(err: BaseException) -> int | None:
 class _QuietRefusedWrite(logging.Filter):
     """While a save runs (and after a refused one, for good: the process is ending): the records
     orbax's threads log (absl) and asyncio's unretrieved futures for a refused write, each with
-    a traceback, are dropped; the refusal is reported in one line instead."""
+    a traceback, are dropped; the refusal is reported in one line instead. Once a write was
+    refused, so are the failures of orbax's threads that the ending process cuts short ("cannot
+    schedule new futures after shutdown")."""
+
+    # how orbax's threads and asyncio report a failure in the background
+    BACKGROUND = ("_SignalingThread.run() raised an exception", "exception was never retrieved")
+
+    def __init__(self):
+        super().__init__()
+        self.refused = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and _refused_errno(record.exc_info[1]) is not None:
             return False
-        return _OS_ERROR_CODE.search(record.getMessage()) is None
+        message = record.getMessage()
+        if self.refused and any(text in message for text in self.BACKGROUND):
+            return False
+        return _OS_ERROR_CODE.search(message) is None
 
 
 def _closed_loop(value) -> bool:
@@ -91,7 +103,7 @@ def write_refusals_as_os_errors(run_dir: Path, step: int, previous: int | None):
         code = _refused_errno(err)
         if code is None:
             raise
-        refused = True
+        refused = quiet.refused = True
         kept = "no earlier checkpoint" if previous is None else f"checkpoint {previous} is intact"
         raise OSError(
             code,
