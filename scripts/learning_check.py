@@ -47,8 +47,7 @@ temperature / top_p / top_k / max_new_tokens; the `format` reward (the same arit
 prompts and their order.
 Refused (ValueError, exit 2) rather than dropped: an algorithm other than grpo for a peer (the
 peers run the grpo rows only), rollout.dynamic_sampling_rounds != 0, algo.dual_clip, a KL
-estimator other than k3 with kl_coef > 0, optim.name sgd, a linear schedule with warm-up,
-learner.pack_tokens.
+estimator other than k3 with kl_coef > 0, optim.name sgd, learner.pack_tokens.
 Not mapped (they differ by construction): the random streams of sampling (torch vs JAX: the same
 distribution, not the same samples), Adam's eps (both 1e-8 by default, not read), jaxloop's
 staleness / engines (none in the default recipe), bf16 settings (both run fp32 here).

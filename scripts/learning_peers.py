@@ -67,7 +67,6 @@ def trl_settings(cfg) -> dict:
         "algo.dual_clip": a.dual_clip is not None,
         "algo.kl_estimator (TRL's KL is k3)": a.kl_coef > 0 and a.kl_estimator != "k3",
         "optim.name (TRL here: AdamW)": o.name != "adamw",
-        "optim.warmup_steps with a linear schedule": o.schedule == "linear" and o.warmup_steps,
         "algo.reduction": a.reduction not in _TRL_LOSS_TYPES,
         "learner.pack_tokens": cfg.learner.pack_tokens is not None,
     }

@@ -63,7 +63,10 @@ def test_trl_settings_follow_the_resolved_config():
         _cfg("--config.optim.schedule=cosine", "--config.optim.warmup_steps=3")
     )
     assert (cosine["grpo"]["lr_scheduler_type"], cosine["grpo"]["warmup_steps"]) == ("cosine", 3)
-    warm = lp.trl_settings(_cfg("--config.optim.warmup_steps=5"))["grpo"]["lr_scheduler_type"]
+    warm = lp.trl_settings(
+        _cfg("--config.optim.schedule=constant", "--config.optim.warmup_steps=5")
+    )
+    warm = warm["grpo"]["lr_scheduler_type"]
     assert warm == "constant_with_warmup"
     assert lp.trl_settings(_cfg("--config.algo.grpo_use_std=false"))["grpo"]["scale_rewards"] == (
         "none"

@@ -34,7 +34,14 @@ class OptimSection:
     schedule: Literal["constant", "cosine", "linear"] = knob(
         "constant", "constant | cosine | linear (over total_updates x updates_per_rollout)"
     )
-    warmup_steps: int = knob(0, "linear warm-up steps", count(0))
+    warmup_steps: int = knob(
+        0,
+        (
+            "optimizer steps of a linear warm-up from 0 before the schedule (a run no longer "
+            "than it is warm-up throughout)"
+        ),
+        count(0),
+    )
     weight_decay: float = knob(0.0, "AdamW weight decay", NON_NEGATIVE)
     b1: float = knob(0.9, "Adam beta1", Domain(lo=0, hi=1, open_hi=True))
     b2: float = knob(0.99, "Adam beta2", Domain(lo=0, hi=1, open_hi=True))
