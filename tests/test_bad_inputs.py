@@ -867,6 +867,7 @@ NUMERIC_KEYS = [k for k, t in TYPES.items() if t.base in (int, float)]
 ACCEPTS_ZERO = {
     "seed",
     "rollout.max_staleness",  # synchronous
+    "rollout.dynamic_sampling_rounds",  # off
     "optim.warmup_steps",
     "optim.weight_decay",
     "optim.b1",
