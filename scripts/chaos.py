@@ -64,21 +64,14 @@ KINDS = ("time", "restore", "update", "produce", "metrics", "save", "commit", "d
 SLEEP = 0.5  # seconds the runner sleeps in the widened windows
 SLEEPERS = ("update", "metrics", "commit", "delete", "deleting", "publish")
 sys.path.insert(0, str(REPO))
-from jaxloop.config import unit_overrides  # noqa: E402
+from jaxloop.config import TINY_MODEL_OVERRIDES, unit_overrides  # noqa: E402
 from jaxloop.metrics import TIMING_METRICS as VOLATILE  # noqa: E402
 
 # A tiny model and batch (divisible by 8 devices), a dense reward so every update moves the
 # parameters, checkpoints every 2 updates (a kill between them loses an update that is redone).
 TINY = (
     *unit_overrides(),  # the one-token unit setting, not the configs' learning recipe
-    "--config.model.hidden_size=32",
-    "--config.model.intermediate_size=64",
-    "--config.model.num_layers=1",
-    "--config.model.head_dim=16",
-    "--config.prompts_per_update=4",
-    "--config.n_samples_per_prompt=2",
-    "--config.micro_batch_size=8",
-    "--config.eval_prompts=8",
+    *TINY_MODEL_OVERRIDES,
     "--config.eval_every=3",
     "--config.rollout.max_new_tokens=3",
     "--config.checkpoint_every=2",

@@ -43,7 +43,7 @@ def _args(argv):
 
 
 def _config(opts, extra: list[str]):
-    from jaxloop.config import parse_command, unit_overrides
+    from jaxloop.config import TINY_MODEL_OVERRIDES, parse_command, unit_overrides
 
     bad = [a for a in extra if not a.startswith("--config.")]
     if bad:
@@ -52,14 +52,7 @@ def _config(opts, extra: list[str]):
         "--config",
         "ppo.py",
         *unit_overrides(),
-        "--config.model.hidden_size=32",
-        "--config.model.intermediate_size=64",
-        "--config.model.num_layers=1",
-        "--config.model.head_dim=16",
-        "--config.prompts_per_update=4",
-        "--config.n_samples_per_prompt=2",
-        "--config.micro_batch_size=8",
-        "--config.eval_prompts=8",
+        *TINY_MODEL_OVERRIDES,
         "--config.progress=false",
         "--config.curves=false",
         f"--config.run_dir={opts.out}",

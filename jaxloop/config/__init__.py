@@ -6,7 +6,7 @@ and the recipes the config files share.
     load.py      config file -> overrides -> validate (parse_command / parse_args)
     validate.py  every key against its domain, then the cross-key rules
     help.py      --help and --dry-run's text
-    recipes.py   official_config, learning_recipe, unit_overrides
+    recipes.py   official_config, learning_recipe, unit_overrides, TINY_MODEL_OVERRIDES
 
 Only the trainer's layer (jaxloop.train, sft, evaluate) imports this package; the layers below
 take their own settings (tests/test_layers.py).
@@ -24,6 +24,7 @@ from jaxloop.config.load import (
 )
 from jaxloop.config.recipes import (
     ALGORITHM_CONFIGS,
+    TINY_MODEL_OVERRIDES,
     learning_recipe,
     official_config,
     unit_overrides,
@@ -119,6 +120,7 @@ __all__ = [
     "run_config",
     "schema_keys",
     "unit_overrides",
+    "TINY_MODEL_OVERRIDES",
     "upgrade_stored",
     "validate",
     "validate_mesh",

@@ -71,6 +71,18 @@ def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
 
 ALGORITHM_CONFIGS = ("ppo.py", "grpo.py", "dppo.py", "flow_dppo.py")
 
+# The smallest model and batch the tests and test tools train (the batch divides 8 devices).
+TINY_MODEL_OVERRIDES = (
+    "--config.model.hidden_size=32",
+    "--config.model.intermediate_size=64",
+    "--config.model.num_layers=1",
+    "--config.model.head_dim=16",
+    "--config.prompts_per_update=4",
+    "--config.n_samples_per_prompt=2",
+    "--config.micro_batch_size=8",
+    "--config.eval_prompts=8",
+)
+
 
 def unit_overrides(names=ALGORITHM_CONFIGS) -> tuple[str, ...]:
     """`--config.KEY=VALUE` overrides that put base_config()'s value back for every key the

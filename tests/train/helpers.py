@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxloop.config import unit_overrides
+from jaxloop.config import TINY_MODEL_OVERRIDES, unit_overrides
 from jaxloop.metrics import TIMING_METRICS
 
 # the one-token unit setting: the algorithm configs carry the multi-token learning recipe
@@ -14,14 +14,7 @@ UNIT = unit_overrides()
 # A small model and batch for tests that only need the loop to run.
 TINY = (
     *UNIT,
-    "--config.model.hidden_size=32",
-    "--config.model.intermediate_size=64",
-    "--config.model.num_layers=1",
-    "--config.model.head_dim=16",
-    "--config.prompts_per_update=4",
-    "--config.n_samples_per_prompt=2",
-    "--config.micro_batch_size=8",
-    "--config.eval_prompts=8",
+    *TINY_MODEL_OVERRIDES,
     "--config.progress=false",
     # matplotlib costs ~2 CPU-s per run; the tests that check curves.png turn it back on
     "--config.curves=false",
