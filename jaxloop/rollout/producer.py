@@ -289,21 +289,20 @@ class RolloutProducer:
             sampling = dataclasses.replace(sampling, num_loops=loops)
         kept, dropped, drawn = self._draw(update, 0, sampling)
         rounds, wanted = self.settings.dynamic_sampling_rounds, self.settings.prompts_per_update
+        draw = 0
+        while draw < rounds and count_informative(kept) < wanted:
+            draw += 1
+            more_kept, more_dropped, more_drawn = self._draw(update, draw, sampling)
+            kept, dropped, drawn = kept + more_kept, dropped + more_dropped, drawn + more_drawn
+        # the sampled reward of the policy: every finite reward drawn, chosen or not
+        rewards = np.array([x.reward for x in kept], np.float64)
         extra: dict[str, float] = {}
         if rounds:
-            draw = 0
-            while draw < rounds and count_informative(kept) < wanted:
-                draw += 1
-                more_kept, more_dropped, more_drawn = self._draw(update, draw, sampling)
-                kept, dropped, drawn = kept + more_kept, dropped + more_dropped, drawn + more_drawn
-            # the sampled reward of the policy: every finite reward drawn, chosen or not
-            finite = np.array([x.reward for x in kept], np.float64)
             kept, informative = select_groups(kept, wanted)
             extra = {
                 "dynamic_sampling_draws": float(draw + 1),
                 "dynamic_informative_groups": informative / wanted,
             }
-        rewards = finite if rounds else np.array([x.reward for x in kept], np.float64)
         stats = {
             "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
             "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
