@@ -67,6 +67,22 @@ def tokens_checksum(samples: list[Sample]) -> int:
     return int.from_bytes(h.digest()[:6], "little")
 
 
+def length_stats(samples: list[Sample]) -> dict[str, float]:
+    """The spread of the response lengths (EOS included) and the tokens generated and prompted:
+    how much work a rollout was (scripts/bench_peers.py compares it across systems)."""
+    lengths = np.array([len(x.response_ids) for x in samples], np.float64)
+    if not len(lengths):
+        return {}
+    return {
+        "response_tokens": float(lengths.sum()),
+        "response_length_min": float(lengths.min()),
+        "response_length_median": float(np.median(lengths)),
+        "response_length_max": float(lengths.max()),
+        "response_at_cap": float(np.mean([x.finish_reason == "length" for x in samples])),
+        "prompt_tokens": float(sum(len(x.prompt_ids) for x in samples)),
+    }
+
+
 class RolloutProducer:
     """The RolloutSource of the embedded engine (and, inside the Ray manager, over an engine
     group: there publications reach the group staged, never through `publish`)."""
@@ -307,6 +323,7 @@ class RolloutProducer:
             "reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
             "reward_std": float(rewards.std()) if len(rewards) else float("nan"),
             "response_length": float(np.mean([len(x.response_ids) for x in drawn])),
+            **length_stats(drawn),
             "dropped_samples": float(dropped),
             "num_samples": float(len(kept)),
             "tokens_checksum": float(tokens_checksum(drawn)),
