@@ -48,6 +48,7 @@ are not project dependencies).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -112,6 +113,25 @@ WORKLOAD = {
     "checkpoint_every": None,  # None: one checkpoint after the last update, outside its timings
     "progress": "false",
 }
+# --workload long: reasoning-length responses. The benchmark model is a random-init decoder with
+# vocab 64 whose logits are nearly flat, so at temperature 1 every system samples EOS with p ~ 1/64
+# per step from the same weights (TRL) or the same init law (Tunix): lengths come out geometric,
+# mean ~60, ~22% under 16 tokens and ~2% reaching the 256 cap. A small learning rate keeps that
+# distribution where it starts over the run, so every system does the same work.
+LONG_KEYS = {
+    "rollout.max_new_tokens": 256,
+    "optim.lr": 1e-5,
+    "data.max_prompt_tokens": 16,  # the prompts are 10 tokens; sizes the packed rows below
+}
+# learner.pack_tokens of the long workload: at least the prompt limit + max_new_tokens (the least
+# jaxloop accepts) and at least this. At 256 new tokens an update trains ~4,700 real tokens; the
+# packer's row count is bucketed by doubling, and rows of 272 tokens need 16 or 32 rows (the
+# geometric lengths of 200 simulated updates: 21% / 79%, a recompile at each flip, 7,800 tokens
+# computed on average) where rows of 384 need 16 every time (6,144 tokens computed, 76% real)
+LONG_PACK_TOKENS = 384
+WORKLOADS = ("short", "long")
+CURVE_TOKENS = (32, 64, 128, 256)  # at CURVE_PROMPTS[0] prompts
+CURVE_PROMPTS = (8, 16, 32)  # at the workload's max_new_tokens
 PEER_SYSTEMS = ("tunix", "tunix_pl16", "trl", "trl_passive")
 DEFAULT_SYSTEMS = "jaxloop,tunix,trl"
 PHASES = ("generate", "old_logprobs", "update", "learner", "total")
@@ -161,6 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_SYSTEMS})",
     )
     ap.add_argument("--models", default="A,B", help="A (jaxloop 2 layers x 2 loops), B (4 x 1)")
+    ap.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="short",
+        help="short: up to 32 new tokens (today's shapes); long: up to 256, lengths spread "
+        "geometrically from a few tokens to the cap (see the module docstring)",
+    )
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help=f"the cost curve: max_new_tokens {'/'.join(map(str, CURVE_TOKENS))} at "
+        f"{CURVE_PROMPTS[0]} prompts and {'/'.join(map(str, CURVE_PROMPTS))} prompts at "
+        f"{CURVE_TOKENS[0]} tokens, every system, one interleaved run (table, png, growth)",
+    )
+    ap.add_argument("--matmul-n", type=int, default=2048, help="size of the matmul limit probe")
     ap.add_argument("--reps", type=int, default=3, help="repeats (each runs every system once)")
     ap.add_argument("--updates", type=int, default=14, help="updates per run")
     ap.add_argument("--drop", type=int, default=2, help="first updates of each run left out")
@@ -244,29 +279,99 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--models is empty")
     if a.reps < 1 or a.updates < 1 or a.drop < 0 or a.drop >= a.updates:
         ap.error("need --reps >= 1 and 0 <= --drop < --updates")
+    if a.matmul_n < 1:
+        ap.error("need --matmul-n >= 1")
+    fixed = {"rollout.max_new_tokens", "prompts_per_update"} if a.curve else set()
+    for label, args in [
+        ("--jaxloop-arg", extra),
+        *(("--variant " + k, v) for k, v in variants.items()),
+    ]:
+        clash = fixed & set(config_overrides(args))
+        if clash:  # the curve sets them per point: an override would silently replace the point
+            ap.error(f"{label}: {', '.join(sorted(clash))} is set by --curve per point")
+    a.settings = curve_points() if a.curve else [default_setting(a.workload)]
     return a
 
 
-# ---- the schedule and the command lines ----
-def schedule(reps: int, models: list[str], systems: list[str]) -> list[tuple[int, str, str]]:
-    """(rep, model, system) in run order: per repeat and model every system once, the order
-    rotated by the repeat, so no system always runs first (or right after another one)."""
+# ---- the settings, the schedule and the command lines ----
+Setting = tuple[int, int]  # (max_new_tokens, prompts per update)
+
+
+def default_setting(workload: str) -> Setting:
+    keys = {**WORKLOAD, **(LONG_KEYS if workload == "long" else {})}
+    return int(keys["rollout.max_new_tokens"]), int(keys["prompts_per_update"])
+
+
+def curve_points() -> list[Setting]:
+    """The cost curve's settings: the token axis at the first prompt count, then the prompt axis
+    at the first token count (their shared point once)."""
+    points = [(t, CURVE_PROMPTS[0]) for t in CURVE_TOKENS]
+    points += [(CURVE_TOKENS[0], p) for p in CURVE_PROMPTS]
+    return list(dict.fromkeys(points))
+
+
+def setting_keys(workload: str, setting: Setting | None = None) -> dict[str, object]:
+    """The workload's jaxloop keys at one setting (default: the workload's own). All samples of
+    an update are one micro-batch, as in the peers; the long workload packs the learner's rows
+    (learner.pack_tokens: see LONG_PACK_TOKENS)."""
+    tokens, prompts = setting or default_setting(workload)
+    keys: dict[str, object] = {**WORKLOAD, **(LONG_KEYS if workload == "long" else {})}
+    keys["rollout.max_new_tokens"] = tokens
+    keys["prompts_per_update"] = prompts
+    keys["micro_batch_size"] = prompts * int(keys["n_samples_per_prompt"])
+    if workload == "long":
+        keys["learner.pack_tokens"] = max(
+            int(keys["data.max_prompt_tokens"]) + tokens, LONG_PACK_TOKENS
+        )
+    return keys
+
+
+def setting_label(setting: Setting) -> str:
+    return f"t{setting[0]}p{setting[1]}"
+
+
+def group_label(model: str, setting: Setting, curve: bool) -> str:
+    """What the tables' first column names: the model, and with --curve the setting too."""
+    return f"{model} {setting_label(setting)}" if curve else model
+
+
+def schedule(
+    reps: int, models: list[str], systems: list[str], settings: list[Setting] | None = None
+) -> list[tuple[int, str, Setting | None, str]]:
+    """(rep, model, setting, system) in run order: per repeat, model and setting every system
+    once, the order rotated by the repeat, so no system always runs first (or right after
+    another one)."""
     out = []
     for rep in range(reps):
         k = rep % len(systems)
         for model in models:
-            out += [(rep, model, s) for s in systems[k:] + systems[:k]]
+            for setting in settings or [None]:
+                out += [(rep, model, setting, s) for s in systems[k:] + systems[:k]]
     return out
 
 
-def jaxloop_config(model: str, updates: int, extra: list[str]) -> dict[str, object]:
-    keys: dict[str, object] = {**SHAPE, **MODELS[model], **WORKLOAD, "total_updates": updates}
+def jaxloop_config(
+    model: str,
+    updates: int,
+    extra: list[str],
+    workload: str = "short",
+    setting: Setting | None = None,
+) -> dict[str, object]:
+    keys: dict[str, object] = {**SHAPE, **MODELS[model], **setting_keys(workload, setting)}
+    keys["total_updates"] = updates
     keys.update(config_overrides(extra))  # later wins; no key twice on the command line
     return keys
 
 
-def jaxloop_train_args(model: str, updates: int, extra: list[str], run_dir: str) -> list[str]:
-    keys = {**jaxloop_config(model, updates, extra), "run_dir": run_dir}
+def jaxloop_train_args(
+    model: str,
+    updates: int,
+    extra: list[str],
+    run_dir: str,
+    workload: str = "short",
+    setting: Setting | None = None,
+) -> list[str]:
+    keys = {**jaxloop_config(model, updates, extra, workload, setting), "run_dir": run_dir}
     return ["--config", "grpo.py"] + [f"--config.{k}={v}" for k, v in keys.items()]
 
 
@@ -288,19 +393,30 @@ def system_env(system: str, trl_threads: int, jax_platforms: str) -> dict[str, s
     return env
 
 
-def run_command(a, system: str, model: str, run_dir: Path, prep_dir: Path) -> tuple[list, Path]:
+def prep_dir_of(work: Path, model: str, setting: Setting) -> Path:
+    """The prep (weights, prompts) a peer run reads: one per model and prompt count."""
+    return work / "prep" / f"{model}_p{setting[1]}"
+
+
+def run_command(
+    a, system: str, model: str, setting: Setting, run_dir: Path, prep_dir: Path
+) -> tuple[list, Path]:
     """(command, cwd) of one run; its per-update output goes under run_dir."""
+    w = {**SHAPE, **setting_keys(a.workload, setting)}
     if kind(system) == "jaxloop":
         cmd = [a.jaxloop_python, "-m", "jaxloop.train"]
-        cmd += jaxloop_train_args(model, a.updates, system_extra(a, system), str(run_dir))
+        extra = system_extra(a, system)
+        cmd += jaxloop_train_args(model, a.updates, extra, str(run_dir), a.workload, setting)
         return cmd, ROOT
     if kind(system) == "trl":
         cmd = [a.trl_python, str(PEERS / "trl_grpo.py"), "--prep", str(prep_dir)]
         cmd += ["--out", str(run_dir / "steps.json"), "--steps", str(a.updates)]
         cmd += ["--threads", str(a.trl_threads)]
+        cmd += ["--max-new-tokens", str(w["rollout.max_new_tokens"])]
+        cmd += ["--prompts-per-step", str(w["prompts_per_update"])]
+        cmd += ["--group", str(w["n_samples_per_prompt"]), "--lr", str(w["optim.lr"])]
         return cmd, run_dir
     prompt_len = 16 if system == "tunix_pl16" else prompt_tokens(prep_dir)
-    w = {**SHAPE, **WORKLOAD}
     cmd = [
         a.tunix_python,
         str(PEERS / "tunix_grpo.py"),
@@ -334,6 +450,23 @@ def prompt_tokens(prep_dir: Path) -> int:
 
 
 # ---- per-update records, one schema for the three systems ----
+# the length statistics of a record (EOS included) and jaxloop's metric of each
+LENGTHS = ("len_min", "len_median", "len_max", "at_cap", "prompt_tokens")
+JAXLOOP_LENGTHS = dict(
+    zip(
+        LENGTHS,
+        (
+            "response_length_min",
+            "response_length_median",
+            "response_length_max",
+            "response_at_cap",
+            "prompt_tokens",
+        ),
+        strict=True,
+    )
+)
+
+
 def records_jaxloop(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -346,7 +479,8 @@ def records_jaxloop(rows: list[dict]) -> list[dict]:
                 "update": r["time_update"],
                 "learner": old + r["time_update"],
                 "total": r["time_total"],
-                "tokens": r["response_length"] * r["num_samples"],  # EOS included
+                "tokens": r.get("response_tokens", r["response_length"] * r["num_samples"]),
+                **{k: r.get(v) for k, v in JAXLOOP_LENGTHS.items()},
             }
         )
     return out
@@ -363,6 +497,7 @@ def records_trl(steps: list[dict]) -> list[dict]:
             "total": s["step_s"],
             "tokens": s.get("completion_tokens"),
             "engine": s.get("generate_s"),  # the model.generate call alone
+            **{k: s.get(k) for k in LENGTHS},
         }
         for s in steps
     ]
@@ -379,10 +514,61 @@ def records_tunix(rows: list[dict]) -> list[dict]:
             "total": r["time_total"],
             "tokens": r.get("generated_tokens"),  # EOS included
             "engine": r.get("time_generate"),  # RLCluster.generate alone
+            **{k: r.get(k) for k in LENGTHS},  # prompt_tokens: add_prompt_tokens
         }
         for r in rows
         if not r.get("summary")
     ]
+
+
+def add_prompt_tokens(records: list[dict], prep_dir: Path, prompts: int, samples: int) -> None:
+    """Tunix reports no prompt tokens: its update u trains jaxloop's prompts u * prompts.. (the
+    same strings; their token ids from the prep) x samples each."""
+    path = prep_dir / "prompts.json"
+    if not path.exists():
+        return
+    ids = [len(p["ids"]) for p in json.loads(path.read_text())]
+    for r in records:
+        if r.get("prompt_tokens") is None:
+            i = r["index"] * prompts
+            r["prompt_tokens"] = samples * sum(ids[i : i + prompts])
+
+
+# ---- work and FLOPs, counted the same way for every system ----
+def layer_params(shape: dict) -> int:
+    """Matrix parameters of one decoder layer: q, k, v, o projections and the SwiGLU MLP."""
+    h, m, d = shape["model.hidden_size"], shape["model.intermediate_size"], shape["model.head_dim"]
+    q, kv = shape["model.num_heads"] * d, shape["model.num_kv_heads"] * d
+    return 2 * h * q + 2 * h * kv + 3 * h * m
+
+
+def train_flops(shape: dict, layers_applied: int, tokens: float, rows: int) -> float:
+    """Forward + backward FLOPs of one update that trains `tokens` real tokens in `rows` samples:
+    6 N per token, N = the non-embedding matrix parameters a token passes through (every layer
+    application, a looped layer once per loop, and the LM head), plus the attention scores and
+    values 12 x layers_applied x seq x (heads x head_dim) per token, seq = the mean sample length
+    tokens / rows (a lower bound of the per-sample sum; no causal halving). Padding is not
+    counted: it is waste."""
+    n = (
+        layers_applied * layer_params(shape)
+        + shape["model.hidden_size"] * shape["model.vocab_size"]
+    )
+    d_attn = shape["model.num_heads"] * shape["model.head_dim"]
+    return 6.0 * n * tokens + 12.0 * layers_applied * d_attn * tokens * (tokens / max(rows, 1))
+
+
+def add_work(records: list[dict], model: str, setting: Setting) -> None:
+    """Per record: real tokens trained (prompt + response, EOS included), their FLOPs, the
+    achieved FLOP/s of the learner phase and the seconds per 1000 generated tokens."""
+    layers = MODELS[model]["model.num_layers"] * MODELS[model]["model.num_loops"]
+    rows = setting[1] * int(WORKLOAD["n_samples_per_prompt"])
+    for r in records:
+        if r.get("tokens") and r.get("prompt_tokens") is not None:
+            r["real_tokens"] = r["prompt_tokens"] + r["tokens"]
+            r["flops"] = train_flops(SHAPE, layers, r["real_tokens"], rows)
+            r["flop_per_s"] = r["flops"] / r["learner"] if r.get("learner") else None
+        if r.get("tokens") and r.get("total"):
+            r["s_per_1k_tokens"] = 1000.0 * r["total"] / r["tokens"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -413,19 +599,23 @@ def stats(values: list[float]) -> dict | None:
     return {"median": statistics.median(v), "p25": q[0], "p75": q[2], "n": len(v)}
 
 
+STAT_KEYS = ("tokens", "engine", *LENGTHS, "real_tokens", "flop_per_s", "s_per_1k_tokens")
+
+
 def aggregate(runs: list[dict], drop: int) -> dict:
-    """{model: {system: {phase: stats, ...}}} over the kept updates (index >= drop) of every run
-    that finished (rc 0), pooled over the repeats."""
+    """{group: {system: {phase: stats, ...}}} over the kept updates (index >= drop) of every run
+    that finished (rc 0), pooled over the repeats; a run's group is its model (with --curve the
+    model and the setting: run["group"])."""
     out: dict[str, dict] = {}
     for r in runs:
-        out.setdefault(r["model"], {}).setdefault(r["system"], [])
+        out.setdefault(r.get("group", r["model"]), {}).setdefault(r["system"], [])
     for model, systems in out.items():
         for system in systems:
-            rs = [r for r in runs if (r["model"], r["system"]) == (model, system)]
+            rs = [r for r in runs if (r.get("group", r["model"]), r["system"]) == (model, system)]
             ok = [r for r in rs if r["rc"] == 0]
             kept = [u for r in ok for u in r["records"] if u["index"] >= drop]
             s: dict = {}
-            for key in (*PHASES, "tokens", "engine"):
+            for key in (*PHASES, *STAT_KEYS):
                 s[key] = stats([u[key] for u in kept if u.get(key) is not None])
             s["run_medians_total"] = [
                 statistics.median(u["total"] for u in r["records"] if u["index"] >= drop)
@@ -535,6 +725,176 @@ def markdown(summary: dict, ratio: dict) -> str:
     return "\n".join(lines)
 
 
+def work_markdown(summary: dict, limit_flop_per_s: float | None) -> str:
+    """The work each system did per update (generated tokens, the length spread, the share at
+    the cap: equal work is the premise of the ratios), its seconds per 1000 generated tokens, and
+    the learner phase's achieved model FLOP/s against the matmul limit."""
+    limit = f"{limit_flop_per_s / 1e9:.0f} GFLOP/s" if limit_flop_per_s else "not measured"
+    lines = [
+        "| model | system | generated tokens/update | length min / median / max | at cap "
+        "| s per 1000 generated tokens | real tokens trained/update | learner GFLOP/s "
+        f"| of the limit ({limit}) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for group, systems in summary.items():
+        for system, st in systems.items():
+            spread = " / ".join(_fmt(st.get(k), 0) for k in ("len_min", "len_median", "len_max"))
+            at_cap = f"{st['at_cap']['median']:.1%}" if st.get("at_cap") else "-"
+            flops = st.get("flop_per_s")
+            gflops = f"{flops['median'] / 1e9:.1f}" if flops else "-"
+            share = (
+                f"{flops['median'] / limit_flop_per_s:.1%}" if flops and limit_flop_per_s else "-"
+            )
+            cells = [
+                _fmt(st.get("tokens"), 0),
+                spread,
+                at_cap,
+                _fmt(st.get("s_per_1k_tokens")),
+                _fmt(st.get("real_tokens"), 0),
+                gflops,
+                share,
+            ]
+            lines.append(f"| {group} | {system} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def work_json(summary: dict, limit_flop_per_s: float | None) -> dict:
+    """{group: {system: medians of the work keys, and the share of the limit}} for the JSON
+    line."""
+    keys = ("tokens", "len_min", "len_median", "len_max", "at_cap", "s_per_1k_tokens")
+    out: dict = {}
+    for group, systems in summary.items():
+        for system, st in systems.items():
+            row = {k: _r(st[k]["median"], 4) if st.get(k) else None for k in keys}
+            flops = st.get("flop_per_s")
+            row["learner_gflop_per_s"] = _r(flops["median"] / 1e9, 2) if flops else None
+            share = flops["median"] / limit_flop_per_s if flops and limit_flop_per_s else None
+            row["of_limit"] = _r(share, 4)
+            out.setdefault(group, {})[system] = row
+    return out
+
+
+# ---- the cost curve ----
+def growth_factors(values: list[float | None]) -> list[float | None]:
+    """Ratios of consecutive points (each point doubles the last): how the cost grows per
+    doubling; None where either point is missing."""
+    return [b / a if a and b is not None else None for a, b in itertools.pairwise(values)]
+
+
+def curve_data(summary: dict, models: list[str], systems: list[str]) -> dict:
+    """{model: {system: {axis: {"x": [...], "seconds": [...], "growth": [...]}}}} of the median
+    whole update, axis "tokens" (max_new_tokens at CURVE_PROMPTS[0] prompts) and "prompts" (at
+    CURVE_TOKENS[0] tokens)."""
+    axes = {
+        "tokens": [(t, CURVE_PROMPTS[0]) for t in CURVE_TOKENS],
+        "prompts": [(CURVE_TOKENS[0], p) for p in CURVE_PROMPTS],
+    }
+    out: dict = {}
+    for model in models:
+        for system in systems:
+            for axis, points in axes.items():
+                seconds = [
+                    median_of(summary, group_label(model, pt, True), system, "total")
+                    for pt in points
+                ]
+                x = [pt[0] if axis == "tokens" else pt[1] for pt in points]
+                row = {"x": x, "seconds": seconds, "growth": growth_factors(seconds)}
+                out.setdefault(model, {}).setdefault(system, {})[axis] = row
+    return out
+
+
+def curve_markdown(curve: dict) -> str:
+    """Seconds per whole update at each point, the growth factor over the previous point after
+    it (x2.0: the cost doubled with the setting)."""
+    lines = []
+    for axis, title in (("tokens", "max_new_tokens"), ("prompts", "prompts per update")):
+        models = list(curve)
+        if not models:
+            break
+        xs = next(iter(curve[models[0]].values()))[axis]["x"]
+        fixed = f"{CURVE_PROMPTS[0]} prompts" if axis == "tokens" else f"{CURVE_TOKENS[0]} tokens"
+        lines += [
+            "",
+            f"| model | system | {' | '.join(f'{title} {x}' for x in xs)} ({fixed}) |",
+            "|---|---|" + "---|" * len(xs),
+        ]
+        for model, systems in curve.items():
+            for system, axes in systems.items():
+                row = axes[axis]
+                cells = []
+                for i, sec in enumerate(row["seconds"]):
+                    cell = "-" if sec is None else f"{sec:.3f} s"
+                    if i and row["growth"][i - 1] is not None:
+                        cell += f" (x{row['growth'][i - 1]:.2f})"
+                    cells.append(cell)
+                lines.append(f"| {model} | {system} | {' | '.join(cells)} |")
+    return "\n".join(lines).strip()
+
+
+def plot_curve(curve: dict, path: Path) -> bool:
+    """Seconds per update against each axis (log-2 x), one line per system, one row of plots per
+    model. False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(curve)
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        for col, (axis, title) in enumerate(
+            (("tokens", "max_new_tokens"), ("prompts", "prompts per update"))
+        ):
+            ax = axes[row][col]
+            for system, data in curve[model].items():
+                pts = [
+                    (x, y) for x, y in zip(data[axis]["x"], data[axis]["seconds"], strict=True) if y
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(title)
+            ax.set_ylabel("seconds per update")
+            ax.set_title(f"model {model}")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- the limit: the machine's matmul rate ----
+def measure_matmul(a, label: str) -> dict:
+    """scripts/bench_matmul.py in jaxloop's python (jnp.dot) and, when a TRL system runs, in
+    TRL's (torch.matmul, --trl-threads threads): {backend: its JSON line or an error}."""
+    jobs = [("jax", a.jaxloop_python, system_env("jaxloop", a.trl_threads, a.jax_platforms))]
+    if any(kind(s) == "trl" for s in a.systems):
+        jobs.append(("torch", a.trl_python, system_env("trl", a.trl_threads, a.jax_platforms)))
+    out = {}
+    for backend, python, env in jobs:
+        cmd = [python, str(ROOT / "scripts" / "bench_matmul.py"), "--backend", backend]
+        cmd += ["--n", str(a.matmul_n), "--threads", str(a.trl_threads)]
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        lines = p.stdout.strip().splitlines()
+        out[backend] = (
+            json.loads(lines[-1])
+            if p.returncode == 0 and lines
+            else {"error": (p.stderr.strip().splitlines() or ["(no output)"])[-1]}
+        )
+        if "gflop_per_s" in out[backend]:
+            log(f"matmul {label} {backend}: {out[backend]['gflop_per_s']:.1f} GFLOP/s")
+    return out
+
+
+def matmul_limit(measurements: list[dict]) -> float | None:
+    """The machine's limit in FLOP/s: the best median rate of any backend at any measurement."""
+    rates = [m["gflop_per_s"] for ms in measurements for m in ms.values() if "gflop_per_s" in m]
+    return max(rates) * 1e9 if rates else None
+
+
 # ---- running ----
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
@@ -577,8 +937,8 @@ def run_process(cmd: list, cwd: Path, env: dict, log_path: Path, timeout: float)
 
 def preflight(a, work: Path) -> dict:
     """Peer pythons exist; jaxloop accepts every jaxloop command line (--dry-run); the prep
-    (jaxloop's initial weights, prompts, tokenizer) per model when a peer runs. Returns
-    {model: prep_dir}."""
+    (jaxloop's initial weights, prompts, tokenizer) per model and prompt count when a peer runs.
+    Returns {(model, prompts): prep_dir}."""
     kinds = {kind(s) for s in a.systems}
     for k, py in (("trl", a.trl_python), ("tunix", a.tunix_python)):
         if k in kinds and not (Path(py).is_file() and os.access(py, os.X_OK)):
@@ -588,26 +948,38 @@ def preflight(a, work: Path) -> dict:
     env = system_env("jaxloop", a.trl_threads, a.jax_platforms)
     for system in [s for s in a.systems if kind(s) == "jaxloop"]:
         for model in a.models:
-            args = jaxloop_train_args(
-                model, a.updates, system_extra(a, system), str(work / "dry_run")
-            )
-            cmd = [a.jaxloop_python, "-m", "jaxloop.train", *args, "--dry-run"]
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if p.returncode != 0:
-                last = ((p.stderr or p.stdout).strip().splitlines() or ["(no output)"])[-1]
-                raise SystemExit(f"bench_peers: {system} model {model}: jaxloop refuses: {last}")
+            for setting in a.settings:
+                extra = system_extra(a, system)
+                args = jaxloop_train_args(
+                    model, a.updates, extra, str(work / "dry_run"), a.workload, setting
+                )
+                cmd = [a.jaxloop_python, "-m", "jaxloop.train", *args, "--dry-run"]
+                p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+                if p.returncode != 0:
+                    last = ((p.stderr or p.stdout).strip().splitlines() or ["(no output)"])[-1]
+                    raise SystemExit(
+                        f"bench_peers: {system} model {model} {setting_label(setting)}: "
+                        f"jaxloop refuses: {last}"
+                    )
     preps = {}
     if kinds - {"jaxloop"}:
         for model in a.models:
-            out = work / "prep" / model
-            args = jaxloop_train_args(model, a.updates, a.jaxloop_extra, str(work / "dry_run"))
-            cmd = [a.jaxloop_python, str(PEERS / "jaxloop_prep.py"), str(out)]
-            cmd += ["--updates", str(a.updates), "--", *args]
-            log(f"prep model {model}: jaxloop's initial weights and prompts -> {out}")
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise SystemExit(f"bench_peers: prep {model} failed: {p.stderr.strip()[-2000:]}")
-            preps[model] = out
+            for setting in a.settings:
+                out = prep_dir_of(work, model, setting)
+                if out in preps.values():  # one prep per prompt count
+                    continue
+                args = jaxloop_train_args(
+                    model, a.updates, a.jaxloop_extra, str(work / "dry_run"), a.workload, setting
+                )
+                cmd = [a.jaxloop_python, str(PEERS / "jaxloop_prep.py"), str(out)]
+                cmd += ["--updates", str(a.updates), "--", *args]
+                log(f"prep model {model}: jaxloop's initial weights and prompts -> {out}")
+                p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+                if p.returncode != 0:
+                    raise SystemExit(
+                        f"bench_peers: prep {model} failed: {p.stderr.strip()[-2000:]}"
+                    )
+                preps[(model, setting[1])] = out
     return preps
 
 
@@ -627,22 +999,29 @@ def jaxloop_commit() -> str | None:
         return None
 
 
+def run_name(rep: int, model: str, setting: Setting, system: str, curve: bool) -> str:
+    tag = f"_{setting_label(setting)}" if curve else ""
+    return f"r{rep}_{model}{tag}_{system.replace(':', '_')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     work = Path(a.work or ROOT / "runs" / "bench_peers" / time.strftime("%Y%m%d-%H%M%S"))
     out_path = Path(a.out) if a.out else work / "results.json"
-    order = schedule(a.reps, a.models, a.systems)
+    order = schedule(a.reps, a.models, a.systems, a.settings)
     if a.print_commands:
-        for rep, model, system in order:
-            run_dir = work / "runs" / f"r{rep}_{model}_{system.replace(':', '_')}"
-            cmd, cwd = run_command(a, system, model, run_dir, work / "prep" / model)
-            print(f"# rep {rep} model {model} {system} (cwd {cwd})")
+        for rep, model, setting, system in order:
+            run_dir = work / "runs" / run_name(rep, model, setting, system, a.curve)
+            prep = prep_dir_of(work, model, setting)
+            cmd, cwd = run_command(a, system, model, setting, run_dir, prep)
+            print(f"# rep {rep} model {model} {setting_label(setting)} {system} (cwd {cwd})")
             print(" ".join(cmd))
         return 0
     work.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
     load_start = loadavg()
     preps = preflight(a, work)
+    matmul = [measure_matmul(a, "before")]
     result: dict = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv if argv is None else argv,
@@ -655,7 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
             "reps": a.reps,
             "updates": a.updates,
             "drop": a.drop,
-            "workload": WORKLOAD,
+            "workload_name": a.workload,
+            "workload": setting_keys(a.workload),
+            "curve": a.curve,
+            "points": a.settings,
             "jaxloop_args": a.jaxloop_extra,
             "variants": a.variants,
             "trl_threads": a.trl_threads,
@@ -663,46 +1045,54 @@ def main(argv: list[str] | None = None) -> int:
             "pythons": {"jaxloop": a.jaxloop_python, "trl": a.trl_python, "tunix": a.tunix_python},
         },
         "load_start": load_start,
+        "matmul": matmul,
         "runs": [],
     }
-    for i, (rep, model, system) in enumerate(order):
-        run_dir = work / "runs" / f"r{rep}_{model}_{system.replace(':', '_')}"
+    samples = int(WORKLOAD["n_samples_per_prompt"])
+    for i, (rep, model, setting, system) in enumerate(order):
+        run_dir = work / "runs" / run_name(rep, model, setting, system, a.curve)
         if run_dir.exists():
             shutil.rmtree(run_dir)
         if kind(system) != "jaxloop":
             run_dir.mkdir(parents=True)
-        cmd, cwd = run_command(a, system, model, run_dir, preps.get(model, work / "prep" / model))
+        prep = preps.get((model, setting[1]), prep_dir_of(work, model, setting))
+        cmd, cwd = run_command(a, system, model, setting, run_dir, prep)
         env = system_env(system, a.trl_threads, a.jax_platforms)
-        log(f"run {i + 1}/{len(order)}: rep {rep} model {model} {system}, load {loadavg()}")
+        group = group_label(model, setting, a.curve)
+        log(f"run {i + 1}/{len(order)}: rep {rep} {group} {system}, load {loadavg()}")
         log_path = work / "logs" / f"{run_dir.name}.log"
         info = run_process(cmd, cwd, env, log_path, a.timeout)
         records, meta = read_records(system, run_dir)
+        if kind(system) == "tunix":
+            add_prompt_tokens(records, prep, setting[1], samples)
+        add_work(records, model, setting)
         if info["rc"] == 0 and len(records) < a.updates:
             info["rc"] = -1  # finished without every update's timings
-        info.update(rep=rep, model=model, system=system, cmd=cmd, records=records, meta=meta)
+        info.update(rep=rep, model=model, setting=list(setting), group=group, system=system)
+        info.update(cmd=cmd, records=records, meta=meta)
         if info["rc"] != 0:
             info["error"] = tail(log_path)
             log(f"  FAILED rc {info['rc']}: {info['error'][-600:]}")
         else:
-            kept = [u["total"] for u in records if u["index"] >= a.drop]
-            med = statistics.median(kept)
-            log(f"  wall {info['wall_s']:.1f} s, median whole update {med:.3f} s")
+            kept = [u for u in records if u["index"] >= a.drop]
+            med = statistics.median(u["total"] for u in kept)
+            lens = [u.get(k) for u in kept[-1:] for k in ("len_min", "len_median", "len_max")]
+            log(
+                f"  wall {info['wall_s']:.1f} s, median whole update {med:.3f} s, last kept "
+                f"update's lengths min/median/max {lens}, tokens {kept[-1].get('tokens')}"
+            )
         result["runs"].append(info)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1))  # partial results survive a stop
+    matmul.append(measure_matmul(a, "after"))
+    limit = matmul_limit(matmul)
     load_end = loadavg()
     summary = aggregate(result["runs"], a.drop)
     ratio = ratios(summary)
     result.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_end=load_end)
-    result.update(summary=summary, ratios=ratio)
-    out_path.write_text(json.dumps(result, indent=1))
-    print(
-        f"reps {a.reps}, {a.updates} updates per run, first {a.drop} dropped; "
-        f"load {load_start} -> {load_end}; {out_path}\n"
-    )
-    print(markdown(summary, ratio))
-    print()
+    result.update(summary=summary, ratios=ratio, matmul_limit_flop_per_s=limit)
     extra = {
+        "workload": a.workload,
         "reps": a.reps,
         "updates": a.updates,
         "drop": a.drop,
@@ -710,7 +1100,28 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": load_end,
         "jaxloop_commit": result["jaxloop_commit"],
         "results": str(out_path),
+        "matmul_gflop_per_s": {
+            k: [m[k].get("gflop_per_s") for m in matmul if k in m] for k in matmul[0]
+        },
+        "work": work_json(summary, limit),
     }
+    if a.curve:
+        curve = curve_data(summary, a.models, a.systems)
+        result["curve"] = extra["curve"] = curve
+        png = out_path.with_name(out_path.stem + "_curve.png")
+        extra["curve_png"] = str(png) if plot_curve(curve, png) else None
+    out_path.write_text(json.dumps(result, indent=1))
+    print(
+        f"workload {a.workload}, reps {a.reps}, {a.updates} updates per run, first {a.drop} "
+        f"dropped; load {load_start} -> {load_end}; {out_path}\n"
+    )
+    print(markdown(summary, ratio))
+    print()
+    print(work_markdown(summary, limit))
+    print()
+    if a.curve:
+        print(curve_markdown(result["curve"]))
+        print(f"\n{extra['curve_png'] or '(no png: matplotlib missing)'}\n")
     print(json_line(summary, ratio, extra), flush=True)
     return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
 

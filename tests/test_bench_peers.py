@@ -100,6 +100,10 @@ def test_variants_and_jaxloop_args(bp):
         ["--variant=--config.a=1"],
         ["--jaxloop-arg=--dry-run"],
         ["--updates=2", "--drop=2"],
+        ["--workload=bogus"],
+        ["--matmul-n=0"],
+        ["--curve", "--jaxloop-arg=--config.rollout.max_new_tokens=8"],
+        ["--curve", "--variant=x=--config.prompts_per_update=4", "--systems=jaxloop:x"],
     ],
 )
 def test_refused_arguments(bp, argv, capsys):
@@ -112,12 +116,15 @@ def test_order_rotates_per_repeat(bp):
     systems = ["jaxloop", "tunix", "trl"]
     order = bp.schedule(3, ["A", "B"], systems)
     assert len(order) == 3 * 2 * 3
-    assert [s for rep, m, s in order if (rep, m) == (0, "A")] == ["jaxloop", "tunix", "trl"]
-    assert [s for rep, m, s in order if (rep, m) == (1, "B")] == ["tunix", "trl", "jaxloop"]
-    assert [s for rep, m, s in order if (rep, m) == (2, "A")] == ["trl", "jaxloop", "tunix"]
+    assert [s for rep, m, _, s in order if (rep, m) == (0, "A")] == ["jaxloop", "tunix", "trl"]
+    assert [s for rep, m, _, s in order if (rep, m) == (1, "B")] == ["tunix", "trl", "jaxloop"]
+    assert [s for rep, m, _, s in order if (rep, m) == (2, "A")] == ["trl", "jaxloop", "tunix"]
     for pos in range(3):  # every system in every position once, per model
-        assert sorted(order[rep * 6 + pos][2] for rep in range(3)) == sorted(systems)
-    assert bp.schedule(2, ["A"], ["jaxloop"]) == [(0, "A", "jaxloop"), (1, "A", "jaxloop")]
+        assert sorted(order[rep * 6 + pos][3] for rep in range(3)) == sorted(systems)
+    assert bp.schedule(2, ["A"], ["jaxloop"]) == [
+        (0, "A", None, "jaxloop"),
+        (1, "A", None, "jaxloop"),
+    ]
 
 
 def test_environments(bp, monkeypatch):
@@ -288,8 +295,154 @@ def test_print_commands(bp, capsys, tmp_path):
         "jaxloop",
     ]
     trl, tunix, jl = (x for x in out if not x.startswith("# "))
-    assert "trl_grpo.py" in trl and f"--prep {tmp_path}/prep/B" in trl and "--threads 2" in trl
+    assert "trl_grpo.py" in trl and f"--prep {tmp_path}/prep/B_p8" in trl and "--threads 2" in trl
+    assert "--max-new-tokens 32 --prompts-per-step 8 --group 8 --lr 0.001" in trl
     assert "--max-prompt-length 16" in tunix and "--num-layers 4" in tunix
     assert "--reward format" in tunix
     assert "-m jaxloop.train --config grpo.py" in jl and "--config.model.num_layers=4" in jl
     assert not any(tmp_path.iterdir())  # nothing was run or written
+
+
+# ---- --workload long, --curve and the limit (issue 38) ----
+def test_long_workload_keys_and_levers(bp):
+    short, long = bp.setting_keys("short"), bp.setting_keys("long")
+    assert short == {**bp.WORKLOAD, "micro_batch_size": 64}  # today's workload unchanged
+    assert "learner.pack_tokens" not in short
+    assert long["rollout.max_new_tokens"] == 256 and long["optim.lr"] == 1e-5
+    assert long["learner.pack_tokens"] == 384 >= long["data.max_prompt_tokens"] + 256
+    at64 = bp.setting_keys("long", (64, 16))
+    assert at64["learner.pack_tokens"] == 384 and at64["micro_batch_size"] == 128
+    assert bp.setting_keys("long", (512, 8))["learner.pack_tokens"] == 16 + 512
+    assert at64["prompts_per_update"] == 16
+
+
+@pytest.mark.parametrize("workload", ["short", "long"])
+def test_long_and_curve_command_lines_are_valid_runs(bp, workload, tmp_path, capsys):
+    """Every jaxloop command of the long workload and of the curve's largest points passes the
+    trainer's checks (pack_tokens against the prompt limit, micro-batches)."""
+    from jaxloop.train.cli import main
+
+    for setting in [None, (256, 8), (32, 32)]:
+        args = bp.jaxloop_train_args("A", 3, [], str(tmp_path / "run"), workload, setting)
+        assert main([*args, "--dry-run"]) == 0, capsys.readouterr().err
+
+
+def test_curve_points_and_schedule(bp):
+    points = bp.curve_points()
+    assert points == [(32, 8), (64, 8), (128, 8), (256, 8), (32, 16), (32, 32)]
+    a = bp.parse_args(["--curve", "--models=A", "--systems=jaxloop,trl", "--reps=2"])
+    order = bp.schedule(a.reps, a.models, a.systems, a.settings)
+    assert len(order) == 2 * 6 * 2
+    assert [(st, s) for rep, _, st, s in order if rep == 0][:2] == [
+        ((32, 8), "jaxloop"),
+        ((32, 8), "trl"),
+    ]
+    assert [s for rep, _, st, s in order if (rep, st) == (1, (256, 8))] == ["trl", "jaxloop"]
+    assert bp.parse_args(["--workload=long"]).settings == [(256, 8)]
+    assert bp.parse_args([]).settings == [(32, 8)]
+
+
+def test_growth_factors(bp):
+    assert bp.growth_factors([1.0, 2.0, 3.0, 3.0]) == [2.0, 1.5, 1.0]
+    assert bp.growth_factors([1.0, None, 4.0]) == [None, None]
+    assert bp.growth_factors([2.0]) == []
+
+
+def test_flops_counting(bp):
+    shape = bp.SHAPE
+    # q, o: 256 x 256; k, v: 256 x 128; gate, up, down: 256 x 512
+    assert bp.layer_params(shape) == 2 * 65536 + 2 * 32768 + 3 * 131072
+    n = 4 * bp.layer_params(shape) + 256 * 64  # four layer applications and the LM head
+    flops = bp.train_flops(shape, 4, tokens=6400, rows=64)  # 100 tokens per sample
+    assert flops == pytest.approx(6 * n * 6400 + 12 * 4 * 256 * 6400 * 100)
+    # model A (2 layers x 2 loops) counts as many FLOPs as B and the peers (4 layers)
+    records = [{"index": 0, "tokens": 1000.0, "prompt_tokens": 640, "learner": 2.0, "total": 4.0}]
+    bp.add_work(records, "A", (32, 8))
+    r = records[0]
+    assert r["real_tokens"] == 1640
+    assert r["flops"] == pytest.approx(bp.train_flops(shape, 4, 1640, 64))
+    assert r["flop_per_s"] == pytest.approx(r["flops"] / 2.0)
+    assert r["s_per_1k_tokens"] == pytest.approx(4.0)
+    no_prompts = [{"index": 0, "tokens": 10.0, "learner": 1.0, "total": 1.0}]
+    bp.add_work(no_prompts, "B", (32, 8))
+    assert "flops" not in no_prompts[0]  # nothing counted from half the tokens
+
+
+def test_matmul_limit_is_the_best_rate(bp):
+    ms = [{"jax": {"gflop_per_s": 100.0}, "torch": {"error": "x"}}, {"jax": {"gflop_per_s": 120.0}}]
+    assert bp.matmul_limit(ms) == pytest.approx(120e9)
+    assert bp.matmul_limit([{"jax": {"error": "no"}}]) is None
+
+
+def test_matmul_probe_counts_2n3():
+    spec = importlib.util.spec_from_file_location("bench_matmul", SCRIPT.parent / "bench_matmul.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.matmul_flops(2048) == 2 * 2048**3
+
+
+def _long_rows(n, lengths):
+    rows = _jaxloop_rows(n, 1.0, 0.0, 2.0)
+    for r in rows:
+        r.update(
+            response_tokens=float(sum(lengths)),
+            response_length_min=float(min(lengths)),
+            response_length_median=float(sorted(lengths)[len(lengths) // 2]),
+            response_length_max=float(max(lengths)),
+            response_at_cap=sum(x == 256 for x in lengths) / len(lengths),
+            prompt_tokens=10.0 * len(lengths),
+        )
+    return rows
+
+
+def test_length_stats_work_table_and_curve(bp, tmp_path):
+    lengths = [3, 40, 60, 256]
+    runs = []
+    for setting, total_scale in (((32, 8), 1.0), ((64, 8), 1.8), ((32, 16), 1.5)):
+        rows = _long_rows(3, lengths)
+        for r in rows:
+            r["time_total"] *= total_scale
+        records = bp.records_jaxloop(rows)
+        bp.add_work(records, "A", setting)
+        group = bp.group_label("A", setting, True)
+        runs.append({"model": "A", "group": group, "system": "jaxloop", "rc": 0, "wall_s": 1.0})
+        runs[-1]["records"] = records
+        steps = _trl_steps(3, 1.0, 3.0)
+        for st in steps:
+            st.update(len_min=2.0, len_median=45.0, len_max=256.0, at_cap=0.02, prompt_tokens=40)
+        trl = bp.records_trl(steps)
+        bp.add_work(trl, "A", setting)
+        runs.append({**runs[-1], "system": "trl", "records": trl})
+    summary = bp.aggregate(runs, 1)
+    jl = summary["A t32p8"]["jaxloop"]
+    assert jl["tokens"]["median"] == 359 and jl["len_max"]["median"] == 256
+    assert jl["at_cap"]["median"] == 0.25 and jl["real_tokens"]["median"] == 399
+    assert jl["flop_per_s"]["median"] == pytest.approx(bp.train_flops(bp.SHAPE, 4, 399, 64) / 2.0)
+    table = bp.work_markdown(summary, 10e9)
+    assert "| A t32p8 | jaxloop | 359 | 3 / 60 / 256 | 25.0% |" in table
+    share = bp.train_flops(bp.SHAPE, 4, 399, 64) / 2.0 / 10e9
+    assert f"{share:.1%} |" in table and "(10 GFLOP/s)" in table
+    line = json.loads(bp.json_line(summary, {}, {"work": bp.work_json(summary, 10e9)}))
+    assert line["work"]["A t32p8"]["trl"]["len_median"] == 45.0
+    assert line["work"]["A t32p8"]["jaxloop"]["of_limit"] == pytest.approx(share, abs=1e-4)
+
+    curve = bp.curve_data(summary, ["A"], ["jaxloop", "trl"])
+    tokens = curve["A"]["jaxloop"]["tokens"]
+    assert tokens["x"] == [32, 64, 128, 256]
+    assert tokens["seconds"][:2] == pytest.approx([3.01, 3.01 * 1.8])
+    assert tokens["seconds"][2:] == [None, None]  # not measured here
+    assert tokens["growth"][0] == pytest.approx(1.8) and tokens["growth"][1:] == [None, None]
+    assert curve["A"]["jaxloop"]["prompts"]["growth"][0] == pytest.approx(1.5)
+    text = bp.curve_markdown(curve)
+    assert "| A | jaxloop | 3.010 s | 5.418 s (x1.80) | - | - |" in text
+    assert "| A | jaxloop | 3.010 s | 4.515 s (x1.50) | - |" in text
+    png = tmp_path / "curve.png"
+    assert bp.plot_curve(curve, png) and png.stat().st_size > 1000
+
+
+def test_tunix_prompt_tokens_from_the_prep(bp, tmp_path):
+    prompts = [{"ids": [1] * n} for n in (10, 11, 12, 13)]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    records = bp.records_tunix(_tunix_rows(2, 0.4, 0.5))
+    bp.add_prompt_tokens(records, tmp_path, prompts=2, samples=8)
+    assert [r["prompt_tokens"] for r in records] == [8 * 21, 8 * 25]

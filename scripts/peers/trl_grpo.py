@@ -29,7 +29,10 @@ Timings per optimizer step (one generation per step, one optimizer step per roll
   generate the model's `generate` call inside it
   update   the rest of the step: forward + backward of the loss, grad clip, AdamW step
   step     on_step_begin -> on_step_end (everything of one optimizer step)
-and the completion lengths. Written as JSON to --out.
+and the completion lengths (tokens; per row min / median / max and the share stopped at the cap,
+as jaxloop's producer reports them), the prompts' real tokens and the padded tokens the learner
+computes. Written as JSON to --out. --max-new-tokens, --prompts-per-step and --lr follow the
+benchmark's workload (bench_peers.py passes them: --workload long, --curve).
 """
 
 from __future__ import annotations
@@ -193,6 +196,28 @@ def reward_format(prompts, completions, label, **kwargs):
     return [format_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
 
 
+LENGTHS = ("len_min", "len_median", "len_max", "at_cap", "prompt_tokens", "learner_tokens")
+
+
+def length_stats(out: dict, eos_id: int) -> dict:
+    """Per-row completion lengths (EOS included, as completion_mask counts them): min, median,
+    max; the share of rows that never sampled EOS (stopped at the cap); the prompts' real
+    tokens; the tokens the learner's forward computes (rows x padded prompt + completion)."""
+    import torch
+
+    lengths = out["completion_mask"].sum(1).float()
+    capped = ~(out["completion_ids"] == eos_id).any(1)
+    rows = out["completion_ids"].shape[0]
+    return {
+        "len_min": float(lengths.min()),
+        "len_median": float(torch.quantile(lengths, 0.5)),  # numpy's median (mean of the two)
+        "len_max": float(lengths.max()),
+        "at_cap": float(capped.float().mean()),
+        "prompt_tokens": int(out["prompt_mask"].sum()),
+        "learner_tokens": rows * (out["prompt_ids"].shape[1] + out["completion_ids"].shape[1]),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prep", required=True)
@@ -294,7 +319,7 @@ def main() -> int:
                 "t_end": now,
             }
             rec["update_s"] = rec["step_s"] - rec["rollout_s"]
-            for k in ("completion_tokens", "completion_len_max", "completion_len_mean"):
+            for k in ("completion_tokens", "completion_len_max", "completion_len_mean", *LENGTHS):
                 if k in current:
                     rec[k] = current[k]
             steps.append(rec)
@@ -325,6 +350,7 @@ def main() -> int:
             current["completion_tokens"] = int(mask.sum())
             current["completion_len_max"] = int(mask.sum(1).max())
             current["completion_len_mean"] = float(mask.sum(1).float().mean())
+            current.update(length_stats(out, tok.eos_token_id))
             return out
 
     trainer = TimedGRPOTrainer(

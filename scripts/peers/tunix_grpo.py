@@ -17,6 +17,11 @@ beta 0 (no reference model), AdamW lr 1e-3, betas (0.9, 0.99), no weight decay, 
 --max-prompt-length (10, the prompts' length; jaxloop buckets to 16), learner rows are 10 + 32
 (jaxloop pads to 48), the sampler's seed stream.
 
+--max-new-tokens, --prompts-per-update and --lr follow the benchmark's workload (bench_peers.py
+passes them: --workload long, --curve). Per update also the response lengths as jaxloop's
+producer reports them (EOS included): generated_tokens, len_min / len_median / len_max, at_cap
+(the share of rows that reached --max-new-tokens without EOS).
+
 Timing (what each key covers, all wall seconds, time.perf_counter):
   time_generate    RLCluster.generate: tokenize + prefill + decode while-loop + device_get of
                    the token buffer + detokenize (the sampler returns host arrays: synchronous).
@@ -263,6 +268,10 @@ def main() -> int:
         # tokens the sampler produced: each row up to and including its EOS (as jaxloop counts)
         cur["generated_tokens"] = float(sum(min(n_ + 1, args.max_new_tokens) for n_ in lens))
         cur["rows_hit_eos"] = float(sum(n_ < args.max_new_tokens for n_ in lens))
+        with_eos = [min(n_ + 1, args.max_new_tokens) for n_ in lens]  # jaxloop's lengths
+        cur["len_min"], cur["len_max"] = float(min(with_eos)), float(max(with_eos))
+        cur["len_median"] = float(np.median(with_eos))
+        cur["at_cap"] = 1.0 - cur["rows_hit_eos"] / len(lens)
         cur["num_samples"] = float(len(lens))
         return out
 
