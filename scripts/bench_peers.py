@@ -5,6 +5,8 @@
     python scripts/bench_peers.py --models A --reps 1 --updates 4      # a quick check
     python scripts/bench_peers.py --models A --systems jaxloop,jaxloop:scan,tunix,trl \\
         --variant scan=--config.model.scan_layers=true                # two jaxloop settings
+    python scripts/bench_peers.py --workload long      # reasoning-length responses (<= 256)
+    python scripts/bench_peers.py --curve --workload long   # seconds vs tokens and vs prompts
 
 Every jaxloop command line is checked first (`jaxloop.train --dry-run`): a key jaxloop does not
 know stops the benchmark before anything runs.
@@ -17,6 +19,41 @@ Llama-shaped decoder (hidden 256, MLP 512, 8/4 heads x 32, vocab 64). Model A: j
 TRL's model is jaxloop's own function with its own initial weights (for A, a Llama whose layer
 l + 2 shares layer l's parameters; scripts/peers/trl_grpo.py checks the logits); Tunix's is its
 own Llama3 at random init. scripts/peers/*.py say what each peer job matches.
+
+--workload long: the same, but up to 256 new tokens whose lengths spread as reasoning outputs do,
+the same way for every system. The model is a random-init decoder with vocab 64 and nearly flat
+logits, so at temperature 1 each system samples EOS (id 2, jaxloop's char tokenizer; TRL's
+generation_config eos_token_id [2]; Tunix's tokenizer eos_id 2) with p ~ 1/64 per step from the
+same weights (TRL) or the same init law (Tunix): lengths are geometric, mean ~60, median ~40,
+about a fifth under 16 tokens, 1-3% reach 256. No weight is changed. Every system stops a row at
+its EOS (jaxloop's sampler writes 0s after it and leaves its while loop when every row has
+finished; TRL's generate pads after EOS and stops when all rows have) and the learners train only
+up to the EOS. optim.lr 1e-5 keeps the policy's length distribution where it starts over the run,
+so every system does the same work; the work table shows it (generated tokens, length min /
+median / max, share at the cap, per system). jaxloop's levers for long ragged responses, on in the
+jaxloop system: learner.pack_tokens (first-fit-decreasing into rows of 384 tokens at 128 and 256
+new tokens, of 16 + max_new_tokens below: see LONG_PACK_TOKENS; data.max_prompt_tokens 16) and
+the sampler's early stop (always on). Off: model.logits_chunk (the [rows, seq, 64] logits are
+small at vocab 64: chunks only add passes), rollout.early_exit (the built-in model has no exit
+gate).
+
+--curve: seconds per update at max_new_tokens 32 / 64 / 128 / 256 (8 prompts) and at 8 / 16 / 32
+prompts (32 tokens), every system, one interleaved run (each point's systems in the rotated
+order): a table with the growth factor per doubling (each point's median whole update / the
+previous point's), WORK/results_curve.png (seconds vs setting, one line per system, log-2 x) and
+both in the JSON line ("curve"). The workload (--workload) sets everything else; every update's
+samples are one micro-batch at every point (micro_batch_size = prompts x 8).
+
+The limit: scripts/bench_matmul.py before and after the runs, a [2048, 2048] fp32 product
+(--matmul-n) in jaxloop's python (jnp.dot, XLA's own threads) and, when TRL runs, in TRL's
+(torch.matmul, --trl-threads threads), median of 5, 2 n^3 / t; the limit is the best of them.
+Each system's achieved model FLOP/s is that of its learner phase (old log-probs + update):
+forward + backward FLOPs of the REAL tokens it trained (prompt + response up to and including
+EOS; padding and packing slack count as waste) / the phase's seconds, counted the same way for
+all (train_flops): 6 N per token, N = the matrix parameters a token passes through (4 layer
+applications of q/k/v/o and the SwiGLU MLP, a looped layer once per loop, and the LM head; the
+embedding lookup not), plus attention 12 x 4 x seq x (heads x head_dim) per token with seq the
+mean sample length of the update. The work table gives GFLOP/s and the fraction of the limit.
 
 Systems (--systems, comma list; interleaved in an order rotated by the repeat):
   jaxloop        python -m jaxloop.train --config grpo.py + the workload (+ --jaxloop-arg ...)
@@ -38,8 +75,10 @@ allocation); medians are over the kept updates of all repeats. Phases per update
   learner       old_logprobs + update (what each system's learner spends per update)
   total         jaxloop time_total; TRL on_step_begin -> on_step_end; Tunix one global step
 Ratios are jaxloop / peer (< 1: jaxloop faster), from the same run only; compare them on a quiet
-machine, never seconds across runs. Prints a markdown table, then one JSON line (the last line
-of stdout) with every median and ratio; progress goes to stderr; --out gets everything.
+machine, never seconds across runs. Prints the phase table, the ratios, the work table (tokens,
+lengths, s per 1000 generated tokens, learner GFLOP/s, fraction of the limit), with --curve the
+curve tables, then one JSON line (the last line of stdout) with every median, ratio, the work,
+the matmul rates and the curve; progress goes to stderr; --out gets everything.
 
 Only the standard library is used here: each system runs in its own python (the peers' venvs
 are not project dependencies).
@@ -123,12 +162,15 @@ LONG_KEYS = {
     "optim.lr": 1e-5,
     "data.max_prompt_tokens": 16,  # the prompts are 10 tokens; sizes the packed rows below
 }
-# learner.pack_tokens of the long workload: at least the prompt limit + max_new_tokens (the least
-# jaxloop accepts) and at least this. At 256 new tokens an update trains ~4,700 real tokens; the
-# packer's row count is bucketed by doubling, and rows of 272 tokens need 16 or 32 rows (the
-# geometric lengths of 200 simulated updates: 21% / 79%, a recompile at each flip, 7,800 tokens
-# computed on average) where rows of 384 need 16 every time (6,144 tokens computed, 76% real)
-LONG_PACK_TOKENS = 384
+# learner.pack_tokens of the long workload from LONG_PACK_FROM new tokens on: at least the prompt
+# limit + max_new_tokens (the least jaxloop accepts) and at least LONG_PACK_TOKENS; below, the
+# least. The packer's row count is bucketed by doubling (one compile per bucket), so the row size
+# is chosen to keep one bucket. Geometric lengths (p 1/64) of 200 simulated updates of 64 rows:
+# at 256 new tokens (~4,700 real tokens) rows of 272 need 16 or 32 rows (21% / 79%: a recompile
+# at each flip, 7,800 tokens computed on average), rows of 384 16 every time (6,144, 76% real); at
+# 128 rows of 144 need 32 or 64, 384 16 always; at 32 / 64 rows of 48 / 80 need 64 always (the
+# padded learner's 3,072 / 5,120 tokens; longer rows only add attention)
+LONG_PACK_TOKENS, LONG_PACK_FROM = 384, 128
 WORKLOADS = ("short", "long")
 CURVE_TOKENS = (32, 64, 128, 256)  # at CURVE_PROMPTS[0] prompts
 CURVE_PROMPTS = (8, 16, 32)  # at the workload's max_new_tokens
@@ -320,8 +362,9 @@ def setting_keys(workload: str, setting: Setting | None = None) -> dict[str, obj
     keys["prompts_per_update"] = prompts
     keys["micro_batch_size"] = prompts * int(keys["n_samples_per_prompt"])
     if workload == "long":
-        keys["learner.pack_tokens"] = max(
-            int(keys["data.max_prompt_tokens"]) + tokens, LONG_PACK_TOKENS
+        least = int(keys["data.max_prompt_tokens"]) + tokens
+        keys["learner.pack_tokens"] = (
+            max(least, LONG_PACK_TOKENS) if tokens >= LONG_PACK_FROM else least
         )
     return keys
 

@@ -311,7 +311,8 @@ def test_long_workload_keys_and_levers(bp):
     assert long["rollout.max_new_tokens"] == 256 and long["optim.lr"] == 1e-5
     assert long["learner.pack_tokens"] == 384 >= long["data.max_prompt_tokens"] + 256
     at64 = bp.setting_keys("long", (64, 16))
-    assert at64["learner.pack_tokens"] == 384 and at64["micro_batch_size"] == 128
+    assert at64["learner.pack_tokens"] == 16 + 64 and at64["micro_batch_size"] == 128
+    assert bp.setting_keys("long", (128, 8))["learner.pack_tokens"] == 384
     assert bp.setting_keys("long", (512, 8))["learner.pack_tokens"] == 16 + 512
     assert at64["prompts_per_update"] == 16
 
@@ -446,3 +447,22 @@ def test_tunix_prompt_tokens_from_the_prep(bp, tmp_path):
     records = bp.records_tunix(_tunix_rows(2, 0.4, 0.5))
     bp.add_prompt_tokens(records, tmp_path, prompts=2, samples=8)
     assert [r["prompt_tokens"] for r in records] == [8 * 21, 8 * 25]
+
+
+def test_jaxloop_only_end_to_end_reports_lengths_and_the_limit(tmp_path):
+    """A real (tiny) run: jaxloop's dry run, the jax matmul probe, two updates of 8 new tokens;
+    the JSON line carries the length spread, the learner's FLOP/s and its share of the limit."""
+    import subprocess
+
+    argv = [sys.executable, str(SCRIPT), "--models=B", "--systems=jaxloop", "--reps=1"]
+    argv += ["--updates=2", "--drop=1", "--matmul-n=256", "--work", str(tmp_path)]
+    argv += ["--jaxloop-arg=--config.rollout.max_new_tokens=8"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    work = line["work"]["B"]["jaxloop"]
+    assert 1 <= work["len_min"] <= work["len_median"] <= work["len_max"] <= 8
+    assert 0 <= work["at_cap"] <= 1 and 8 <= work["tokens"] <= 64 * 8
+    assert work["learner_gflop_per_s"] > 0 and 0 < work["of_limit"] < 1
+    assert line["matmul_gflop_per_s"]["jax"][0] > 0 and "torch" not in line["matmul_gflop_per_s"]
+    assert "| B | jaxloop |" in p.stdout and "of the limit" in p.stdout
