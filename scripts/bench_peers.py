@@ -898,6 +898,9 @@ def plot_curve(curve: dict, path: Path) -> bool:
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", label=system)
             ax.set_xscale("log", base=2)
+            xs = next(iter(curve[model].values()))[axis]["x"]
+            ax.set_xticks(xs, [str(x) for x in xs])  # 32, 64, ... rather than 2^5, 2^6
+            ax.minorticks_off()
             ax.set_xlabel(title)
             ax.set_ylabel("seconds per update")
             ax.set_title(f"model {model}")
