@@ -64,6 +64,7 @@ GROUP_SECONDS = {
     "tests.train.test_write_refusals": 90,
     "tests.train.test_resume_step": 80,
     "tests.train.test_soak": 60,
+    "tests.io.test_orbax_leaks": 25,
     "tests.test_bad_inputs": 120,
     "tests.rl.test_packing": 110,
     "tests.test_e2e_official": 80,

@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxloop.families import hf_tensor_shapes
+from jaxloop.io import orbax_leaks  # noqa: F401  (host-memory leak work-arounds, on import)
 from jaxloop.io.hf import (
     ROLE_KEY,
     abstract_model,
@@ -59,23 +60,6 @@ from jaxloop.models.looped import LoopedLM
 from jaxloop.parallel.mesh import shardings_for
 
 RESTORE_BUDGET_BYTES = 10**9  # default in-flight read budget within one parameter
-
-
-def _no_raw_io_bytes(direction) -> None:
-    return None  # orbax then skips its raw-throughput log line, the only use of the count
-
-
-# tensorstore 0.1.86's experimental_collect_matching_metrics leaks what it returns (about 3.5 KB a
-# call, never freed); orbax calls it around every array write only to log raw throughput: the
-# trainer's host memory grew ~0.34 MB per checkpoint (docs/reliability.md, the soak).
-def _stop_orbax_metric_leak() -> None:
-    from orbax.checkpoint._src.serialization import tensorstore_utils
-
-    if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
-        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_io_bytes
-
-
-_stop_orbax_metric_leak()
 
 
 # ---- save --------------------------------------------------------------------------------------
