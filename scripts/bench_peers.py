@@ -1052,7 +1052,7 @@ def run_name(rep: int, model: str, setting: Setting, system: str, curve: bool) -
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    work = Path(a.work or ROOT / "runs" / "bench_peers" / time.strftime("%Y%m%d-%H%M%S"))
+    work = Path(a.work or ROOT / "runs" / "bench_peers" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out_path = Path(a.out) if a.out else work / "results.json"
     order = schedule(a.reps, a.models, a.systems, a.settings)
     if a.print_commands:

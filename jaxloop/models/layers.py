@@ -49,20 +49,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def grouped_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache_layout: bool = False
+) -> jax.Array:
     """Grouped-query attention without repeating K/V.
 
-    q: [B, S, H, D]; k, v: [B, T, KV, D]; mask: bool, broadcastable to [B, S, T] (True = attend).
-    Returns [B, S, H, D]. Scores and softmax in float32.
+    q: [B, S, H, D]; k, v: [B, T, KV, D], or with cache_layout the KV cache's k [B, KV, T, D] and
+    v [B, KV, D, T]; mask: bool, broadcastable to [B, S, T] (True = attend). Returns [B, S, H, D].
+    Scores and softmax in float32.
     """
     b, s, h, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1 if cache_layout else 2]
     qg = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+    k_spec, v_spec = ("bktd", "bkdt") if cache_layout else ("btkd", "btkd")
+    scores = jnp.einsum(f"bskgd,{k_spec}->bkgst", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    out = jnp.einsum(f"bkgst,{v_spec}->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 
 

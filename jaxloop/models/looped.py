@@ -331,8 +331,9 @@ def _layer_fn(cfg: LoopedConfig, cos, sin, mask, cache, use_cudnn: bool):
             new_last = (k, v)
         if kv_cache is not None:
             k_all, v_all, loop_index, layer_index = kv_cache
-            k_all = _write_slot(k_all, k, loop_index, layer_index, cache.index)
-            v_all = _write_slot(v_all, v, loop_index, layer_index, cache.index)
+            slot_index = (loop_index, layer_index, cache.index)
+            k_all = _write_slot(k_all, jnp.swapaxes(k, 1, 2), *slot_index, length_axis=4)
+            v_all = _write_slot(v_all, jnp.transpose(v, (0, 2, 3, 1)), *slot_index, length_axis=5)
             new_cache_kv = (k_all, v_all)
             slot = (k_all, v_all, loop_index, layer_index)
             attn = _attend_slot(q, slot, mask, cache.attended_length, cdt)
@@ -443,11 +444,13 @@ def _heads(
     )
 
 
-def _write_slot(full, new, loop_index, layer_index, index):
-    """Write `new` [B, S, kv_heads, head_dim] at token slot `index` of cache slot
-    [loop_index, layer_index] of `full` [loops, layers, B, T, kv_heads, head_dim], in place."""
-    start = (loop_index, layer_index, 0, index, 0, 0)
-    return jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], start)
+def _write_slot(full, new, loop_index, layer_index, index, length_axis: int):
+    """Write `new` ([B, kv_heads, S, head_dim] into KVCache.k, length_axis 4; [B, kv_heads,
+    head_dim, S] into KVCache.v, length_axis 5) at token slot `index` of cache slot
+    [loop_index, layer_index] of `full`, in place."""
+    start = [loop_index, layer_index, 0, 0, 0, 0]
+    start[length_axis] = index
+    return jax.lax.dynamic_update_slice(full, new.astype(full.dtype)[None, None], tuple(start))
 
 
 def _attend_slot(q, slot, mask, length, cdt):
@@ -456,10 +459,10 @@ def _attend_slot(q, slot, mask, length, cdt):
     [B, S, length]."""
     k_all, v_all, loop_index, layer_index = slot
     start = (loop_index, layer_index, 0, 0, 0, 0)
-    size = (1, 1, k_all.shape[2], length, *k_all.shape[4:])
-    k = jax.lax.dynamic_slice(k_all, start, size)[0, 0].astype(cdt)
-    v = jax.lax.dynamic_slice(v_all, start, size)[0, 0].astype(cdt)
-    return L.grouped_attention(q, k, v, mask)
+    b, kv, d = k_all.shape[2], k_all.shape[3], k_all.shape[5]
+    k = jax.lax.dynamic_slice(k_all, start, (1, 1, b, kv, length, d))[0, 0].astype(cdt)
+    v = jax.lax.dynamic_slice(v_all, start, (1, 1, b, kv, d, length))[0, 0].astype(cdt)
+    return L.grouped_attention(q, k, v, mask, cache_layout=True)
 
 
 def project(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:

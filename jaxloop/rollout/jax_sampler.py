@@ -22,14 +22,15 @@ from jax.sharding import Mesh
 
 from jaxloop.io.hf_walk import fill_from_hf
 from jaxloop.mathutil import round_up
-from jaxloop.models.kv_cache import init_cache, read_length_for, read_lengths
+from jaxloop.models.kv_cache import grow_cache, init_cache, read_length_for, read_lengths
 from jaxloop.models.looped import LoopedLM, compute_dtype_state, project
 from jaxloop.parallel import mesh as shd
 from jaxloop.rollout.api import NotPublishedError, Policy, PublicationError
 from jaxloop.rollout.types import PromptRequest, PublishStats, Sample, SamplingConfig
 
 # [loops, layers, batch, length, kv_heads, head_dim]: sharded over batch and kv_heads
-CACHE_AXES = ("loops", "layers", "batch", "length", "kv_heads", "head_dim")
+K_CACHE_AXES = ("loops", "layers", "batch", "kv_heads", "length", "head_dim")  # KVCache.k
+V_CACHE_AXES = ("loops", "layers", "batch", "kv_heads", "head_dim", "length")  # KVCache.v
 # folded into a sample's key for its exit draws, so they never reuse a token draw's key
 EXIT_KEY_SALT = 0xE417
 
@@ -59,13 +60,13 @@ def exit_step(out, cache_index, depths: jax.Array):
     at_exit = (depths - 1)[None, None, :, None, None, None]
     deeper = jnp.arange(cache.k.shape[0])[:, None, None, None, None, None] >= at_exit + 1
 
-    def fill(x):
-        column = jax.lax.dynamic_slice_in_dim(x, cache_index, 1, axis=3)
+    def fill(x, axis):  # the token's slot along the cache's length axis
+        column = jax.lax.dynamic_slice_in_dim(x, cache_index, 1, axis=axis)
         exited = jnp.take_along_axis(column, at_exit, axis=0)
         column = jnp.where(deeper, exited, column)
-        return jax.lax.dynamic_update_slice_in_dim(x, column, cache_index, axis=3)
+        return jax.lax.dynamic_update_slice_in_dim(x, column, cache_index, axis=axis)
 
-    return logits[0], cache.replace(k=fill(cache.k), v=fill(cache.v))
+    return logits[0], cache.replace(k=fill(cache.k, 4), v=fill(cache.v, 5))
 
 
 def loop_head_logits(model: LoopedLM, loop_hidden: jax.Array) -> jax.Array:
@@ -109,16 +110,18 @@ def filter_logprobs(logprobs: jax.Array, top_k: int | None, top_p: float) -> jax
     return logprobs
 
 
+def _constrained(cache):
+    return cache.replace(
+        k=shd.constrain(cache.k, K_CACHE_AXES), v=shd.constrain(cache.v, V_CACHE_AXES)
+    )
+
+
 def _prefill(model, prompt_ids, prompt_mask, cache_len: int, loop_logprobs: bool):
     """The prompt's forward into a fresh cache: (output, the last position's per-loop logits
     [L, B, V] with loop_logprobs, else None)."""
     batch, prompt_len = prompt_ids.shape
-    cache = init_cache(model.config, batch, cache_len)
-    cache = cache.replace(
-        k=shd.constrain(cache.k, CACHE_AXES),
-        v=shd.constrain(cache.v, CACHE_AXES),
-        read_length=read_length_for(cache_len, prompt_len),
-    )
+    # the first of read_lengths(cache_len) that holds the prompt; decoding grows it (_grown)
+    cache = _constrained(init_cache(model.config, batch, read_length_for(cache_len, prompt_len)))
     if loop_logprobs:  # only the last position's loop logits: no [L, B, S, V]
         out = model.forward(prompt_ids, attention_mask=prompt_mask, cache=cache, return_loops=True)
         return out, loop_head_logits(model, out.loop_hidden)
@@ -240,16 +243,17 @@ def _generate(
     carry = (jnp.int32(0), out.cache, last_logits, last_loop_logits, tokens, logprobs, loop_lps)
     carry = carry + (depths, exit_lps, done)
     # decode step `step` writes slot prompt_len + step: one while loop per read length, each
-    # running the steps whose filled slots it holds (a static length per compiled body; no
-    # branch inside a step). Each stops as soon as every row has finished (finished rows write
-    # 0s, which the buffers hold already); the last step's forward is wasted work, kept so that
-    # every step has the same body (it also gives the last token its depth)
+    # on the cache grown to that length (read whole: see grow_cache) and running the steps whose
+    # filled slots it holds (a static length per compiled body; no branch inside a step). Each
+    # stops as soon as every row has finished (finished rows write 0s, which the buffers hold
+    # already); the last step's forward is wasted work, kept so that every step has the same
+    # body (it also gives the last token its depth)
     first = 0
     for length in read_lengths(cache_len):
         end = min(max_new_tokens, length - prompt_len)
         if end <= first:
             continue
-        carry = (*carry[:1], carry[1].replace(read_length=length), *carry[2:])
+        carry = (*carry[:1], _constrained(grow_cache(carry[1], length)), *carry[2:])
         carry = jax.lax.while_loop(lambda c, end=end: (c[0] < end) & ~jnp.all(c[-1]), body, carry)
         first = end
     _, _, _, _, tokens, logprobs, loop_lps, depths, exit_lps, _ = carry

@@ -63,14 +63,9 @@ def run(request, tmp_path_factory):
 
     step = jit_cached_forward(model)
     cache = init_cache(cfg, B, MAX_LEN)
-    assert cache.k.shape == (
-        cfg.num_loops,
-        cfg.num_layers,
-        B,
-        MAX_LEN,
-        cfg.num_kv_heads,
-        hf["head_dim"],
-    )
+    slot = (cfg.num_loops, cfg.num_layers, B, cfg.num_kv_heads)
+    assert cache.k.shape == (*slot, MAX_LEN, hf["head_dim"])
+    assert cache.v.shape == (*slot, hf["head_dim"], MAX_LEN)
     prefill = step(ids[:, :PROMPT], mask[:, :PROMPT], cache)
     cache = prefill.cache
     assert int(cache.index) == PROMPT
@@ -147,8 +142,9 @@ def test_cache_bookkeeping(run):
     np.testing.assert_array_equal(valid[:, :TOTAL], run["mask"].astype(bool))
     assert not valid[:, TOTAL:].any()
     # slots never written stay zero
-    assert not np.asarray(cache.k)[:, :, :, TOTAL:].any()
-    assert not np.asarray(cache.v)[:, :, :, TOTAL:].any()
+    k, v = cache.token_major()
+    assert not np.asarray(k)[:, :, :, TOTAL:].any()
+    assert not np.asarray(v)[:, :, :, TOTAL:].any()
 
 
 def test_loops_keep_independent_caches(run):
@@ -156,8 +152,7 @@ def test_loops_keep_independent_caches(run):
     x_loop is that loop's input (the embedding, then the previous loop's normed output)."""
     hf, tensors, cfg = run["hf"], run["tensors"], run["cfg"]
     keep = run["mask"].astype(bool)
-    k = np.asarray(run["cache"].k)[:, :, :, :TOTAL]  # [loops, layers, B, TOTAL, KV, D]
-    v = np.asarray(run["cache"].v)[:, :, :, :TOTAL]
+    k, v = (np.asarray(x)[:, :, :, :TOTAL] for x in run["cache"].token_major())  # [.., B, T, KV, D]
     for loop in range(1, cfg.num_loops):
         for name, arr in (("k", k), ("v", v)):
             diff = rel_err(arr[loop][:, keep], arr[0][:, keep])
@@ -215,8 +210,8 @@ def test_decode_step_updates_the_cache_in_place(num_loops):
 
     token = jnp.zeros((batch, 1), jnp.int32)
     hlo = jax.jit(step, donate_argnums=2).lower(state, token, cache).compile().as_text()
-    full = cache.k.shape  # [loops, layers, B, T, kv_heads, head_dim]
-    for dims in (full, full[1:], full[2:]):
+    k_full, v_full = cache.k.shape, cache.v.shape  # [loops, layers, B, kv_heads, ...]
+    for dims in (k_full, k_full[1:], k_full[2:], v_full, v_full[1:], v_full[2:]):
         assert not _copies_of_shape(hlo, dims), (dims, _copies_of_shape(hlo, dims))
     header = hlo.splitlines()[0]
     aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", header)

@@ -160,7 +160,7 @@ def test_prefill_decode_with_depths(case):
     ref = reference_forward(case["tensors"], case["hf"], ids, attention_mask=mask, depths=depths)
     check_rel(f"depth {fam} decode vs reference", logits[keep], ref["logits"][keep], FP32_REL_TOL)
     # a token that exits at depth d wrote its loop d-1 keys / values into the slots of loops >= d
-    k = np.asarray(outs[-1].cache.k)
+    k = np.asarray(outs[-1].cache.token_major()[0])
     for r in range(B):
         for i in range(TOTAL):
             d = depths[r, i]
@@ -202,7 +202,7 @@ def test_loop_budget(case):
         )
     logits = np.concatenate([np.asarray(o.logits) for o in outs], axis=1)
     check_rel(f"budget {fam} decode", logits[keep], np.asarray(got.logits)[keep], FP32_REL_TOL)
-    k = np.asarray(outs[-1].cache.k)
+    k = np.asarray(outs[-1].cache.token_major()[0])
     assert not k[budget:].any() and k[:budget, :, :, :TOTAL].any()
     with pytest.raises(ValueError, match="num_loops=4 is outside 1..3"):
         fwd(ids, mask, num_loops=LOOPS + 1)
