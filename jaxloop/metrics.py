@@ -130,6 +130,23 @@ def _raise_tb_failure(tb) -> None:
             raise _TB_FAILURES.pop(id(worker))
 
 
+def _close_tb(tb) -> None:
+    """Close a SummaryWriter; where the file system refused its events (a full disk, a size
+    limit), stop its writer threads and mark its files closed, so that tensorboardX's own exit
+    hook does not retry the flush and print a traceback after the run's one-line error."""
+    try:
+        _raise_tb_failure(tb)  # its writer thread ended: closing would wait for it for ever
+        tb.close()
+    except OSError:
+        for writer in (tb.all_writers or {}).values():
+            events = writer.event_writer
+            worker = getattr(events, "_worker", None)
+            if worker is not None and worker.is_alive():
+                worker.stop()
+            events._closed = True  # tensorboardX's atexit cleanup: close() if not _closed
+        raise
+
+
 class MetricsWriter:
     """`write(update, metrics)` appends {"update": update, **metrics} and logs TB scalars."""
 
@@ -189,20 +206,14 @@ class MetricsWriter:
             self._tb.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            tb, self._tb = self._tb, None
-            _raise_tb_failure(tb)  # its writer thread ended: closing would wait for it for ever
-            try:
-                tb.close()
-            except OSError:  # a refused flush (a full disk): its writer thread would fail at exit
-                for writer in (tb.all_writers or {}).values():
-                    worker = getattr(writer.event_writer, "_worker", None)
-                    if worker is not None and worker.is_alive():
-                        worker.stop()
-                raise
+        try:
+            if self._file is not None:
+                file, self._file = self._file, None
+                file.close()  # a refused flush raises, the file is closed all the same
+        finally:
+            if self._tb is not None:
+                tb, self._tb = self._tb, None
+                _close_tb(tb)
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from jaxloop.errors import WRITE_ONLY_ERRNOS
@@ -104,6 +105,9 @@ def write_refusals_as_os_errors(run_dir: Path, step: int, previous: int | None):
         if code is None:
             raise
         refused = quiet.refused = True
+        # orbax's write coroutines that the refusal cut short are collected unawaited as the
+        # process ends, each a RuntimeWarning line after the one-line error
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
         kept = "no earlier checkpoint" if previous is None else f"checkpoint {previous} is intact"
         raise OSError(
             code,

@@ -5,8 +5,10 @@ test mount one) exits 2 in one line; the previous checkpoint still verifies, not
 half-written is listed as a step, and a rerun with room resumes and ends with the final
 checkpoint of an uninterrupted run, bit for bit."""
 
+import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -112,3 +114,36 @@ def test_a_full_file_system_on_a_later_checkpoint_is_one_line(
     shutil.copytree(run_dir, moved, symlinks=True)
     said = "[Errno 28] No space left on device"
     _refused_then_resumed(moved, proc.stderr, proc.returncode, said, reference, one_device_env)
+
+
+def test_a_file_size_limit_on_the_metrics_rows_is_one_line(tmp_path, reference, one_device_env):
+    """The same limit, below the next metrics row (and TensorBoard event) instead of a checkpoint:
+    the update's row is refused before its checkpoint is written; whatever part of the row reached
+    the file is dropped by the resumed run (it rewrites metrics.jsonl up to its checkpoint)."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_cmd(run_dir), env=one_device_env, stdout=out, stderr=out)
+    try:
+        digests = run_dir / "checkpoints" / "1" / "jaxloop_digests.json"
+        deadline = time.monotonic() + 300
+        while not digests.exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "checkpoint 1 never appeared"
+            time.sleep(0.002)
+        # stopped while the limit is set: update 2's row (written before its checkpoint) is then
+        # the next write (an update takes far longer than this poll)
+        os.kill(proc.pid, signal.SIGSTOP)
+        appended = [run_dir / "metrics.jsonl", *run_dir.rglob("events.out.tfevents.*")]
+        limit = max(p.stat().st_size for p in appended) + 1
+        assert limit < FILE_SIZE_LIMIT  # below a checkpoint file too: the first refusal is a row
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        os.kill(proc.pid, signal.SIGCONT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _steps(run_dir) == ["1"]
+    stderr = log.read_text()
+    assert "checkpoint 2 was not written" not in stderr, stderr[-3000:]  # a row was refused first
+    said = "[Errno 27] File too large"
+    _refused_then_resumed(run_dir, stderr, code, said, reference, one_device_env)
