@@ -5,16 +5,12 @@ producer runs the real embedded sampler on a tiny random-init model."""
 from __future__ import annotations
 
 import pytest
-from flax import nnx
 
 from jaxloop.config import parse_args, unit_overrides
-from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.rollout.api import Policy
 from jaxloop.rollout.dynamic_sampling import groups_in_order, is_informative, select_groups
-from jaxloop.rollout.jax_sampler import JaxSamplerEngine
 from jaxloop.rollout.producer import RolloutProducer
 from jaxloop.rollout.types import Sample
-from jaxloop.train.setup import producer_settings
+from tests.rollout.producers import embedded_producer
 
 HERE = "tests.rollout.test_dynamic_sampling"
 PROMPTS, SAMPLES = 4, 4
@@ -44,13 +40,7 @@ def _producer(reward: str, rounds: int) -> RolloutProducer:
             f"--config.rollout.dynamic_sampling_rounds={rounds}",
         ]
     )
-    settings = producer_settings(cfg, requires_groups=True)
-    model_cfg = LoopedConfig.from_hf_dict(
-        tiny_hf_config("nanbeige", vocab_size=settings.vocab_size)
-    )
-    model = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
-    producer = RolloutProducer(settings, JaxSamplerEngine(model))
-    producer.publish(Policy(nnx.state(model), 0, model.config))
+    producer = embedded_producer(cfg)
     return producer
 
 

@@ -4,15 +4,11 @@ at the cap, prompt_tokens): what scripts/bench_peers.py compares across systems 
 from __future__ import annotations
 
 import pytest
-from flax import nnx
 
 from jaxloop.config import parse_args, unit_overrides
-from jaxloop.models import LoopedConfig, LoopedLM, tiny_hf_config
-from jaxloop.rollout.api import Policy
-from jaxloop.rollout.jax_sampler import JaxSamplerEngine
-from jaxloop.rollout.producer import RolloutProducer, length_stats
+from jaxloop.rollout.producer import length_stats
 from jaxloop.rollout.types import Sample
-from jaxloop.train.setup import producer_settings
+from tests.rollout.producers import embedded_producer
 
 
 def _sample(prompt_len: int, response_len: int, reason: str) -> Sample:
@@ -44,13 +40,7 @@ def test_produce_reports_the_lengths_of_its_samples():
             "--config.rollout.max_new_tokens=6",
         ]
     )
-    settings = producer_settings(cfg, requires_groups=True)
-    model_cfg = LoopedConfig.from_hf_dict(
-        tiny_hf_config("nanbeige", vocab_size=settings.vocab_size)
-    )
-    model = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
-    producer = RolloutProducer(settings, JaxSamplerEngine(model))
-    producer.publish(Policy(nnx.state(model), 0, model.config))
+    producer = embedded_producer(cfg)
     samples, stats = producer.produce(0)
     lengths = sorted(len(s.response_ids) for s in samples)
     assert stats["response_tokens"] == sum(lengths)

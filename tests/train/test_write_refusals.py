@@ -59,17 +59,22 @@ def _refused_then_resumed(run_dir: Path, stderr: str, code: int, said: str, refe
     assert stable(read_rows(run_dir)) == stable(read_rows(reference))
 
 
+def _wait_for_checkpoint_1(proc, run_dir: Path, log: Path) -> None:
+    """Until the running trainer has committed checkpoint 1 (its digests are written last)."""
+    digests = run_dir / "checkpoints" / "1" / "jaxloop_digests.json"
+    deadline = time.monotonic() + 300
+    while not digests.exists():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "checkpoint 1 never appeared"
+        time.sleep(0.002)
+
+
 def test_a_file_size_limit_on_a_later_checkpoint_is_one_line(tmp_path, reference, one_device_env):
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(_cmd(run_dir), env=one_device_env, stdout=out, stderr=out)
     try:
-        digests = run_dir / "checkpoints" / "1" / "jaxloop_digests.json"
-        deadline = time.monotonic() + 300
-        while not digests.exists():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "checkpoint 1 never appeared"
-            time.sleep(0.02)
+        _wait_for_checkpoint_1(proc, run_dir, log)
         # the kernel's limit on the running trainer: checkpoint 2's data files exceed it
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
         code = proc.wait(timeout=300)
@@ -124,12 +129,7 @@ def test_a_file_size_limit_on_the_metrics_rows_is_one_line(tmp_path, reference, 
     with open(log, "w") as out:
         proc = subprocess.Popen(_cmd(run_dir), env=one_device_env, stdout=out, stderr=out)
     try:
-        digests = run_dir / "checkpoints" / "1" / "jaxloop_digests.json"
-        deadline = time.monotonic() + 300
-        while not digests.exists():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "checkpoint 1 never appeared"
-            time.sleep(0.002)
+        _wait_for_checkpoint_1(proc, run_dir, log)
         # stopped while the limit is set: update 2's row (written before its checkpoint) is then
         # the next write (an update takes far longer than this poll)
         os.kill(proc.pid, signal.SIGSTOP)
