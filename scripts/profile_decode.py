@@ -12,8 +12,11 @@ timed on a cache of exactly that many slots as the sampler grows it (`kv_cache.g
 checkout before that change reads a prefix of the whole cache: `--whole 272`). The fixed cost is
 the step at the shortest length, the rest grows with the slots read; `--hlo` adds the compiled
 step's copies of cache-sized arrays (what made long responses slow: a copy of every (loop, layer)
-slot into the dots' layout at every layer of every step). Medians of --repeats steps after a
-warm-up; a table, then one JSON line. Run it on a quiet machine; compare within one run.
+slot into the dots' layout at every layer of every step); `--trace` the step's XLA operations
+by kind (fusion names without their number: ynn_fusion = XNNPACK/YNNPACK matmul fusions,
+slice_bitcast_fusion = slices materialised as copies), ms per step from jax.profiler. Medians
+of --repeats steps after a warm-up; a table, then one JSON line. Run it on a quiet machine;
+compare within one run.
 """
 
 from __future__ import annotations
@@ -59,18 +62,47 @@ def model_config(model: str) -> LoopedConfig:
 
 
 def cache_copies(hlo: str, cache_elems: int) -> int:
-    """Instructions of compiled HLO text that copy or transpose an f32 array at least a quarter of
-    one (loop, layer) cache slot."""
+    """Instructions of compiled HLO text that copy, transpose or slice out (a slice fusion: XLA
+    materialises a slice) an f32 array of at least a quarter of one (loop, layer) cache slot."""
     count = 0
-    for m in re.finditer(r"= f32\[([\d,]+)\]\S*\s+(copy|transpose)\(", hlo):
+    copy = r"(?:=\s*f32\[([\d,]+)\]\S*\s+(?:copy|transpose)\()"
+    sliced = r"(?:%slice[\w-]*fusion[.\d]*\s*=\s*f32\[([\d,]+)\])"
+    for m in re.finditer(f"{copy}|{sliced}", hlo):
         n = 1
-        for d in m.group(1).split(","):
+        for d in (m.group(1) or m.group(2)).split(","):
             n *= int(d)
         count += n * 4 >= cache_elems
     return count
 
 
-def profile(model: str, batch: int, lengths: list[int], whole: int, repeats: int, hlo: bool):
+def op_kinds(step, args, steps: int = 20) -> dict[str, float]:
+    """ms per step of each kind of XLA operation of `step(*args) -> (logits, cache)` (the
+    cache is args[2], donated), from a jax.profiler trace of `steps` calls."""
+    import collections
+    import gzip
+    import tempfile
+
+    state, token, cache = args
+    index = int(cache.index)
+    with tempfile.TemporaryDirectory() as out:
+        jax.profiler.start_trace(out, create_perfetto_trace=True)
+        for _ in range(steps):
+            logits, cache = step(state, token, cache.replace(index=jnp.int32(index)))
+            logits.block_until_ready()
+        jax.profiler.stop_trace()
+        trace = next(Path(out).rglob("*.trace.json.gz"))
+        events = json.load(gzip.open(trace))["traceEvents"]
+    total: collections.Counter = collections.Counter()
+    host = ("$", "Thunk", "Pjit", "Slinky", "Common", "end: ", "Parse", "Handle", "Allocate")
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith(host):
+            total[re.sub(r"\.\d+$", "", e["name"])] += e["dur"] / 1000 / steps
+    return {k: round(v, 3) for k, v in total.most_common(8)}
+
+
+def profile(
+    model: str, batch: int, lengths: list[int], whole: int, repeats: int, hlo: bool, trace: bool
+):
     cfg = model_config(model)
     graphdef, state = nnx.split(LoopedLM(cfg, rngs=nnx.Rngs(0)))
 
@@ -108,6 +140,8 @@ def profile(model: str, batch: int, lengths: list[int], whole: int, repeats: int
                 "cache_copies": copies,
             }
         )
+        if trace:
+            rows[-1]["ops_ms"] = op_kinds(step, (state, token, cache))
         print(f"{model} {length}: {rows[-1]['ms_per_step']} ms", file=sys.stderr)
     return rows
 
@@ -120,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--whole", type=int, default=0, help="read a prefix of a cache this long")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--hlo", action="store_true", help="count cache-sized copies in the step")
+    p.add_argument("--trace", action="store_true", help="ms per step by kind of XLA operation")
     a = p.parse_args(argv)
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
@@ -132,7 +167,7 @@ def main(argv=None) -> int:
             p.error(f"unknown model {m!r} (A, B)")
     rows = []
     for m in a.models.split(","):
-        rows += profile(m, a.batch, lengths, a.whole, a.repeats, a.hlo)
+        rows += profile(m, a.batch, lengths, a.whole, a.repeats, a.hlo, a.trace)
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -144,6 +179,10 @@ def main(argv=None) -> int:
             f"| {r['model']} | {r['slots_read']} | {r['cache_slots']} | {r['ms_per_step']:.2f} "
             f"| {copies} |"
         )
+    for r in rows:
+        if "ops_ms" in r:
+            ops = ", ".join(f"{k} {v:.2f}" for k, v in r["ops_ms"].items())
+            print(f"{r['model']} {r['slots_read']} slots, ms per step by operation: {ops}")
     print(json.dumps({"bench": "profile_decode", "batch": a.batch, "commit": commit, "rows": rows}))
     return 0
 
