@@ -15,10 +15,11 @@ class KVCache:
     """k: [loops, layers, B, kv_heads, T, head_dim], v: [loops, layers, B, kv_heads, head_dim, T];
     valid: [B, T] slots holding a real token; index: the next slot to write (shared by the batch:
     prompts are left-padded). The layouts are the ones XLA's dots want for attention (the
-    contracted dimension last: head_dim for q.k, T for p.v), so a decode step reads the cache as
-    it lies; token-major [B, T, kv_heads, head_dim], XLA copied both slots into these layouts at
+    contracted dimension last: head_dim for q.k, T for p.v), so a decode step needs no transposing
+    copy; token-major [B, T, kv_heads, head_dim], XLA copied both slots into these layouts at
     every layer of every step, the bulk of a long response's decode time
-    (scripts/bench_peers.py --workload long).
+    (scripts/bench_peers.py --workload long; scripts/profile_decode.py counts the copies: what is
+    left is one slice of each (loop, layer) slot out of the stacked array).
 
     read_length (static): attention reads only the first read_length slots of each (loop, layer)
     slot (0: all T). The caller keeps it >= index + the positions of the call: the slots past it
@@ -62,7 +63,7 @@ def grow_cache(cache: KVCache, max_length: int) -> KVCache:
     """`cache` with room for `max_length` slots (empty ones appended), read whole (read_length 0).
     The sampler grows its cache with each of read_lengths(T) instead of reading a prefix of a
     T-slot cache: a prefix of every (row, head)'s block is not contiguous, and XLA copied it out
-    for attention at every layer of every step; a whole slot is read in place."""
+    for attention at every layer of every step; a whole (loop, layer) slot is one block."""
     extra = max_length - cache.max_length
     if extra < 0:
         raise ValueError(f"grow_cache: {max_length} < the cache's {cache.max_length} slots")
