@@ -65,5 +65,11 @@ class SamplesWriter:
                 (self.folder / f"{step}.jsonl").unlink(missing_ok=True)
 
     def write(self, update: int, rows: Iterable[Mapping[str, Any]]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_samples(self.folder / f"{int(update)}.jsonl", rows)
+        path = self.folder / f"{int(update)}.jsonl"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_samples(path, rows)
+        except OSError as err:  # a write's EFBIG / ENOSPC names no file: say which one
+            if err.filename is not None:
+                raise
+            raise OSError(err.errno, err.strerror, str(path)) from err

@@ -43,14 +43,18 @@ def reference(tmp_path_factory, one_device_env):
     return run_dir
 
 
-def _refused_then_resumed(run_dir: Path, stderr: str, code: int, said: str, reference, env):
+def _refused_then_resumed(
+    run_dir: Path, stderr: str, code: int, said: str, reference, env, extra=()
+):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, stderr[-6000:]
     assert lines[0].startswith(f"error: cannot write: {said}"), lines
     steps = _steps(run_dir)
     assert steps and check_step(run_dir, int(steps[-1])) is True  # the newest one verifies
     # a rerun with room resumes there and ends where the uninterrupted run did
-    proc = subprocess.run(_cmd(run_dir), env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        _cmd(run_dir, *extra), env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ca, cb = _checkpoint_arrays(reference, 4), _checkpoint_arrays(run_dir, 4)
     assert ca.keys() == cb.keys() and any(k.startswith("critic_opt") for k in ca)
@@ -147,3 +151,67 @@ def test_a_file_size_limit_on_the_metrics_rows_is_one_line(tmp_path, reference, 
     assert "checkpoint 2 was not written" not in stderr, stderr[-3000:]  # a row was refused first
     said = "[Errno 27] File too large"
     _refused_then_resumed(run_dir, stderr, code, said, reference, one_device_env)
+
+
+SAMPLES_ARGS = ("--config.eval_every=1", "--config.eval_prompts=256")
+
+
+@pytest.fixture(scope="module")
+def samples_reference(tmp_path_factory, one_device_env):
+    """An uninterrupted run that evaluates (and writes a samples file) at every update."""
+    run_dir = tmp_path_factory.mktemp("write_refusals") / "samples_reference"
+    proc = subprocess.run(
+        _cmd(run_dir, *SAMPLES_ARGS), env=one_device_env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_a_file_size_limit_on_a_samples_file_is_one_line(
+    tmp_path, samples_reference, one_device_env
+):
+    """A run stopped after checkpoint 1 is resumed under a file-size limit above every file it
+    rewrites on resuming but below a samples file: the evaluation that starts update 1 cannot
+    write samples/1.jsonl. Exit 2, one line naming the file, no temporary file left beside it,
+    checkpoint 1 verifies; a rerun with room ends as the uninterrupted run did."""
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        _cmd(run_dir, *SAMPLES_ARGS, "--config.stop_after=1"),
+        env=one_device_env,
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _steps(run_dir) == ["1"]
+    samples = run_dir / "samples"
+    sample_size = (samples / "0.jsonl").stat().st_size
+    others = [
+        p.stat().st_size
+        for p in run_dir.rglob("*")
+        if p.is_file() and "checkpoints" not in p.parts and p.parent != samples
+    ]
+    # room for a resumed run's rewritten metrics, configs and a few metrics rows, not a sample
+    limit = max(others) + 4096
+    assert limit < sample_size, (limit, sample_size)
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(
+        _cmd(run_dir, *SAMPLES_ARGS),
+        env=one_device_env,
+        capture_output=True,
+        text=True,
+        preexec_fn=limited,
+        timeout=600,
+    )
+    said = f"[Errno 27] File too large: '{samples / '1.jsonl'}'"
+    assert sorted(p.name for p in samples.iterdir()) == ["0.jsonl"]  # nothing half-written
+    _refused_then_resumed(
+        run_dir, proc.stderr, proc.returncode, said, samples_reference, one_device_env, SAMPLES_ARGS
+    )
+    reference = samples_reference / "samples"
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in samples.iterdir()) == names
+    for name in names:  # the rewritten samples files are the uninterrupted run's
+        assert (samples / name).read_bytes() == (reference / name).read_bytes(), name
