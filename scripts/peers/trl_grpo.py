@@ -191,9 +191,42 @@ def prompt_dataset(prompts: list[dict], need: int, prep: Path):
     )
 
 
-def reward_format(prompts, completions, label, **kwargs):
-    """jaxloop's `format` reward as a TRL reward function (extra columns arrive as kwargs)."""
-    return [format_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
+UNUSED_CHAR = "\N{REPLACEMENT CHARACTER}"  # jaxloop's CharTokenizer for an id past its alphabet
+
+
+def char_decoder(tokenizer_json: dict):
+    """`decode(ids) -> str` as jaxloop's CharTokenizer decodes (jaxloop/data/tokenizer.py): pad,
+    bos and eos dropped, an alphabet id its character, any other id U+FFFD. Not the HF
+    tokenizer's decode: it marks the ids past the alphabet special and `skip_special_tokens`
+    drops them, so "3<unused>2" would read "32" (a right answer) where jaxloop reads "3?2"."""
+    t = tokenizer_json
+    skip = {t["pad_id"], t["bos_id"], t["eos_id"]}
+    first = len(t["specials"])
+    alphabet = t["alphabet"]
+
+    def decode(ids) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in skip:
+                continue
+            out.append(alphabet[i - first] if first <= i < first + len(alphabet) else UNUSED_CHAR)
+        return "".join(out)
+
+    return decode
+
+
+def reward_format_for(prep: Path):
+    """jaxloop's `format` reward as a TRL reward function: of the completion's ids decoded as
+    jaxloop decodes them (char_decoder), not of TRL's decoded text."""
+    decode = char_decoder(json.loads((prep / "tokenizer.json").read_text()))
+
+    def reward_format(prompts, completions, label, completion_ids, **kwargs):
+        return [
+            format_reward(decode(ids), lab) for ids, lab in zip(completion_ids, label, strict=True)
+        ]
+
+    return reward_format
 
 
 LENGTHS = ("len_min", "len_median", "len_max", "at_cap", "prompt_tokens", "learner_tokens")
@@ -355,7 +388,7 @@ def main() -> int:
 
     trainer = TimedGRPOTrainer(
         model=model,
-        reward_funcs=reward_format,
+        reward_funcs=reward_format_for(prep),
         args=config,
         train_dataset=dataset,
         processing_class=tok,

@@ -27,16 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import (  # noqa: E402
     build_model,
     build_tokenizer,
+    char_decoder,
     check_reference,
     format_reward,
     prompt_dataset,
-    reward_format,
+    reward_format_for,
 )
 
 
-def greedy_eval(model, tok, examples: list[dict], max_new_tokens: int) -> float:
+def greedy_eval(model, tok, decode, examples: list[dict], max_new_tokens: int) -> float:
     """Mean `format` reward of greedy answers (up to max_new_tokens, stopping at EOS) to the
-    held-out prompts, their ids as jaxloop encodes them, left-padded in one batch."""
+    held-out prompts, their ids as jaxloop encodes them, left-padded in one batch; the answers
+    decoded as jaxloop decodes them (`decode`: trl_grpo.char_decoder)."""
     import torch
 
     width = max(len(e["ids"]) for e in examples)
@@ -61,7 +63,7 @@ def greedy_eval(model, tok, examples: list[dict], max_new_tokens: int) -> float:
     for row, example in zip(out[:, width:].tolist(), examples, strict=True):
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
-        rewards.append(format_reward(tok.decode(row, skip_special_tokens=True), example["label"]))
+        rewards.append(format_reward(decode(row), example["label"]))
     return sum(rewards) / len(rewards)
 
 
@@ -83,6 +85,7 @@ def main() -> int:
     settings = json.loads(Path(args.settings).read_text())
     prep = Path(args.prep)
     tok = build_tokenizer(prep)
+    decode = char_decoder(json.loads((prep / "tokenizer.json").read_text()))
     prompts = json.loads((prep / "prompts.json").read_text())
     evals = json.loads((prep / "eval.json").read_text())
     for p in prompts[:16] + evals[:16]:
@@ -119,15 +122,15 @@ def main() -> int:
 
     class Evaluate(TrainerCallback):
         def on_train_begin(self, args_, state, control, model=None, **kw):
-            curve.append([0, greedy_eval(model, tok, evals, max_new)])
+            curve.append([0, greedy_eval(model, tok, decode, evals, max_new)])
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             update, rest = divmod(state.global_step, iterations)
             if not rest and update % every == 0 and update < updates:
-                curve.append([update, greedy_eval(model, tok, evals, max_new)])
+                curve.append([update, greedy_eval(model, tok, decode, evals, max_new)])
 
         def on_train_end(self, args_, state, control, model=None, **kw):
-            curve.append([updates, greedy_eval(model, tok, evals, max_new)])
+            curve.append([updates, greedy_eval(model, tok, decode, evals, max_new)])
 
         def on_log(self, args_, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -135,7 +138,7 @@ def main() -> int:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_format,
+        reward_funcs=reward_format_for(prep),
         args=config,
         train_dataset=dataset,
         processing_class=tok,
