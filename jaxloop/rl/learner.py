@@ -54,6 +54,7 @@ class LearnerConfig:
     # None: padded to the longest
     pack_tokens: int | None = None
     loop_credit: str = "last"  # the policy loss over loops (LOOP_CREDITS; last: the last loop)
+    step_split: str = "contiguous"  # the policy steps' parts of a batch (microbatch.step_plan)
 
 
 NO_OFFLOAD = OffloadConfig()
@@ -170,7 +171,13 @@ class Learner(LearnerPhases):
                 raise ValueError("packed rows carry no per-token depths (early-exit rollouts)")
             micro, steps = cfg.micro_batch_size, cfg.updates_per_rollout
             pack, step_pack = mb.pack_plan(
-                batch.tokens, batch.attention_mask, micro, steps, cfg.pack_tokens, self.row_multiple
+                batch.tokens,
+                batch.attention_mask,
+                micro,
+                steps,
+                cfg.pack_tokens,
+                self.row_multiple,
+                cfg.step_split,
             )
             batch = batch.replace(pack=pack, step_pack=step_pack)
         return jax.tree.map(lambda x: shd.put_global(x, self.batch_sharding), batch)

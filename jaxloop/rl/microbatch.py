@@ -77,10 +77,16 @@ def split_rows(packed: PackedRows, leading: tuple, index: jax.Array) -> PackedRo
     return PackedRows(*(split(x) for x in rows), index=index)
 
 
-def step_plan(n: int, steps: int, micro: int) -> np.ndarray:
-    """Row indices [steps, P] of each optimizer step's part of the batch (np.array_split order),
-    each part padded to a multiple of `micro` with index n (an all-zero row)."""
-    parts = np.array_split(np.arange(n), steps)
+def step_plan(n: int, steps: int, micro: int, split: str = "contiguous") -> np.ndarray:
+    """Row indices [steps, P] of each optimizer step's part of the batch, each part padded to a
+    multiple of `micro` with index n (an all-zero row). split 'contiguous': np.array_split order
+    (whole groups per step); 'interleaved': row i to step i mod steps (part of every group)."""
+    if split == "contiguous":
+        parts = np.array_split(np.arange(n), steps)
+    elif split == "interleaved":
+        parts = [np.arange(i, n, steps) for i in range(steps)]
+    else:
+        raise ValueError(f"step split {split!r}; valid: contiguous, interleaved")
     width = round_up(max(len(p) for p in parts), micro)
     plan = np.full((steps, width), n, np.int32)
     for i, p in enumerate(parts):
@@ -95,6 +101,7 @@ def pack_plan(
     steps: int,
     pack_tokens: int,
     row_multiple: int,
+    split: str = "contiguous",
 ) -> tuple[PackedRows, PackedRows]:
     """The packing of one batch (host arrays, deterministic): the rows of the per-sample passes
     and the critic (micro-batches of consecutive samples, `split_micro`) and of the policy steps
@@ -104,7 +111,7 @@ def pack_plan(
     device."""
     n = tokens.shape[0]
     whole = np.arange(round_up(n, micro)).reshape(-1, micro)
-    per_step = step_plan(n, steps, micro).reshape(-1, micro)
+    per_step = step_plan(n, steps, micro, split).reshape(-1, micro)
     return tuple(
         pack_groups(tokens, attention_mask, groups, pack_tokens, row_multiple).packed_rows()
         for groups in (whole, per_step)

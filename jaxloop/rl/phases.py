@@ -245,7 +245,7 @@ class LearnerPhases:
             ref_logprobs=prepared.ref_logprobs,
         )
         n = batch.tokens.shape[0]
-        plan = mb.step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size)
+        plan = mb.step_plan(n, cfg.updates_per_rollout, cfg.micro_batch_size, cfg.step_split)
         k = plan.shape[1] // cfg.micro_batch_size
 
         def gather(x):  # [N, ...] -> [steps, K, micro, ...]; index n is an all-zero row

@@ -114,6 +114,14 @@ class LearnerSection:
         count(1),
         legacy_none=_zero,
     )
+    step_split: Literal["contiguous", "interleaved"] = knob(
+        "contiguous",
+        (
+            "how a rollout batch is split over its updates_per_rollout optimizer steps: "
+            "contiguous (each step whole groups, in order) | interleaved (sample i to step "
+            "i mod steps: every step sees part of every group, as TRL's shuffled split does)"
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

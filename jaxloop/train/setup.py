@@ -99,6 +99,7 @@ def learner_config(cfg, steps: int) -> LearnerConfig:
         critic_steps=cfg.critic.steps_per_rollout,
         logits_chunk=cfg.model.logits_chunk,
         pack_tokens=cfg.learner.pack_tokens,
+        step_split=cfg.learner.step_split,
         loop_credit=cfg.algo.loop_credit,
         advantage=AdvantageHParams(
             gamma=cfg.algo.gamma,

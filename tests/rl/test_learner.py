@@ -59,6 +59,7 @@ class _Run:
         loop_credit="last",
         model_cfg=CFG,
         entropy_coef=0.0,
+        step_split="contiguous",
     ):
         algo = get_algorithm(name)
         actor = LoopedLM(model_cfg, rngs=nnx.Rngs(0))
@@ -72,6 +73,7 @@ class _Run:
             logits_chunk=logits_chunk,
             pack_tokens=pack_tokens,
             loop_credit=loop_credit,
+            step_split=step_split,
         )
         hp = LossHParams(
             kl_coef=kl_coef,

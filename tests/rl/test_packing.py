@@ -163,3 +163,27 @@ def test_trainer_packed_run_equals_padded(tmp_path):
     assert padded.keys() == packed.keys() and padded["response_length"] > 1
     for key, value in padded.items():
         assert abs(packed[key] - value) <= 1e-6 * max(1.0, abs(value)), (key, value, packed[key])
+
+
+def test_interleaved_steps_take_part_of_every_group_and_pack_as_padded():
+    """learner.step_split=interleaved: step i gets samples i, i + steps, ... (each step part of
+    every group), packed or padded alike, and the update differs from the contiguous split's."""
+    from jaxloop.rl.microbatch import step_plan
+
+    plan = step_plan(8, 2, 2, "interleaved")
+    np.testing.assert_array_equal(plan, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    np.testing.assert_array_equal(step_plan(8, 2, 2), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    np.testing.assert_array_equal(step_plan(5, 2, 2, "interleaved"), [[0, 2, 4, 5], [1, 3, 5, 5]])
+    with pytest.raises(ValueError, match="valid: contiguous, interleaved"):
+        step_plan(8, 2, 2, "shuffled")
+    batch = _batch()
+    padded = _Run("grpo", 2, updates=2, step_split="interleaved")
+    packed = _Run("grpo", 2, pack_tokens=PACK, updates=2, step_split="interleaved")
+    contiguous = _Run("grpo", 2, updates=2)
+    m_padded = padded.update(batch)
+    m_packed = packed.update(batch.with_length(PACK + 1))
+    contiguous.update(batch)
+    for key, value in m_padded.items():
+        assert abs(m_packed[key] - value) <= 1e-6 * max(1.0, abs(value)), (key, value)
+    assert _max_diff(packed.state.actor_params, padded.state.actor_params) <= 1e-6
+    assert _max_diff(contiguous.state.actor_params, padded.state.actor_params) > 1e-4
