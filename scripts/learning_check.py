@@ -33,8 +33,9 @@ are equal and only RL is compared. Both are evaluated greedily on the same held-
 What maps from jaxloop's resolved config to GRPOConfig (trl_settings): n_samples_per_prompt ->
 num_generations; updates_per_rollout -> steps_per_generation (jaxloop makes updates_per_rollout
 optimizer steps per rollout batch, each on its part of the batch: so does TRL, num_iterations=1,
-old log-probs from the generation batch in both; jaxloop's parts are contiguous, whole groups,
-TRL shuffles the generation batch before splitting it); prompts_per_update x n_samples_per_prompt
+old log-probs from the generation batch in both; jaxloop's parts are contiguous, whole groups
+(learner.step_split=interleaved: part of every group in every step), TRL shuffles the
+generation batch before splitting it); prompts_per_update x n_samples_per_prompt
 / updates_per_rollout -> per_device_train_batch_size (gradient_accumulation_steps=1: the same
 gradient as jaxloop's micro-batches); total_updates x updates_per_rollout -> max_steps; optim
 lr / b1 / b2 / weight_decay / grad_clip / schedule (constant, constant with warm-up, cosine,
@@ -43,7 +44,8 @@ x the batch's mean per-token entropy; jaxloop: subtracted from each token's loss
 reduction; equal where responses are equally long); algo.clip_eps / clip_eps_high -> epsilon /
 epsilon_high; algo.kl_coef -> beta (both the k3 estimator); algo.grpo_use_std -> scale_rewards
 group / none; algo.reduction seq_mean_token_mean -> loss_type grpo, token_mean -> bnpo; rollout
-temperature / top_p / top_k / max_new_tokens; the `format` reward (the same arithmetic); the
+temperature / top_p / top_k / max_new_tokens; the `format` reward (the same arithmetic, of the
+completion ids decoded as jaxloop decodes them: scripts/peers/trl_grpo.char_decoder); the
 prompts and their order.
 Refused (ValueError, exit 2) rather than dropped: an algorithm other than grpo for a peer (the
 peers run the grpo rows only), rollout.dynamic_sampling_rounds != 0, algo.dual_clip, a KL
