@@ -11,21 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import trl_grpo  # noqa: E402
+from jaxloop_prep import tokenizer_record as _prep_tokenizer  # noqa: E402
 
 from jaxloop.data.rewards import format_reward  # noqa: E402
-from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer  # noqa: E402
-
-
-def _prep_tokenizer(tok: CharTokenizer) -> dict:
-    # the record scripts/peers/jaxloop_prep.py writes to PREP/tokenizer.json
-    return {
-        "specials": list(_CHAR_SPECIALS),
-        "pad_id": tok.pad_id,
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "alphabet": CHAR_ALPHABET,
-        "vocab_size": tok.vocab_size,
-    }
+from jaxloop.data.tokenizer import CharTokenizer  # noqa: E402
 
 
 def test_the_peer_decoder_is_jaxloops_on_every_id():

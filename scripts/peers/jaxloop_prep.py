@@ -33,6 +33,20 @@ import sys
 from pathlib import Path
 
 
+def tokenizer_record(tok) -> dict:
+    """What OUT/tokenizer.json holds of jaxloop's CharTokenizer `tok` (the peers rebuild it)."""
+    from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET
+
+    return {
+        "specials": list(_CHAR_SPECIALS),
+        "pad_id": tok.pad_id,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "alphabet": CHAR_ALPHABET,
+        "vocab_size": tok.vocab_size,
+    }
+
+
 def warm_started_actor(cfg, out: Path):
     """The actor after jaxloop's warm start for `cfg` (a Trainer in OUT/warm_run: the same
     fresh state, producer and warm_start call as a training run); its metrics go to
@@ -77,7 +91,7 @@ def main() -> int:
 
     from jaxloop.config import parse_args
     from jaxloop.data.datasets import make_eval_examples, make_source
-    from jaxloop.data.tokenizer import _CHAR_SPECIALS, CHAR_ALPHABET, CharTokenizer
+    from jaxloop.data.tokenizer import CharTokenizer
     from jaxloop.io.hf import save_hf
     from jaxloop.train.build import build_actor
     from jaxloop.train.setup import actor_seed, producer_settings
@@ -103,15 +117,7 @@ def main() -> int:
     with open(out / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt": p["prompt"], "label": p["label"]}) + "\n")
-    tokenizer = {
-        "specials": list(_CHAR_SPECIALS),
-        "pad_id": tok.pad_id,
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "alphabet": CHAR_ALPHABET,
-        "vocab_size": tok.vocab_size,
-    }
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_record(tok)))
     held_out = make_eval_examples(producer_settings(cfg, True).data, cfg.eval_prompts)
     evals = [
         {
