@@ -33,8 +33,8 @@ are equal and only RL is compared. Both are evaluated greedily on the same held-
 What maps from jaxloop's resolved config to GRPOConfig (trl_settings): n_samples_per_prompt ->
 num_generations; updates_per_rollout -> steps_per_generation (jaxloop makes updates_per_rollout
 optimizer steps per rollout batch, each on its part of the batch: so does TRL, num_iterations=1,
-old log-probs from the generation batch in both; jaxloop's parts are contiguous, whole groups
-(learner.step_split=interleaved: part of every group in every step), TRL shuffles the
+old log-probs from the generation batch in both; jaxloop's parts follow learner.step_split (the
+recipe's interleaved: part of every group in every step; contiguous: whole groups), TRL shuffles the
 generation batch before splitting it); prompts_per_update x n_samples_per_prompt
 / updates_per_rollout -> per_device_train_batch_size (gradient_accumulation_steps=1: the same
 gradient as jaxloop's micro-batches); total_updates x updates_per_rollout -> max_steps; optim

@@ -44,7 +44,8 @@ def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     (docs/learning.md): `reverse` of 3 digits with the `format` reward; a supervised warm start that
     stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 400 steps;
     a fixed step count left seed-dependent starting points, 0.3-0.95), then 150 updates of 2
-    optimizer steps each, the actor's learning rate warmed up from 0 over 20 steps and then
+    optimizer steps each (each step on part of every group: learner.step_split=interleaved), the
+    actor's learning rate warmed up from 0 over 20 steps and then
     cosine-decayed; a critic trains alone for 5 updates at lr 5e-3.
 
     The warm-up: a fresh Adam's first step is lr x sign(gradient) on every weight, whatever the
@@ -61,6 +62,9 @@ def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     config.warm_start.stop_at_reward = 0.45
     config.total_updates = 150
     config.updates_per_rollout = 2
+    # Each optimizer step sees part of every group (TRL's shuffled split has the same effect);
+    # whole groups per step lagged it on the grid (docs/learning.md).
+    config.learner.step_split = "interleaved"
     config.optim.warmup_steps = 20  # optimizer steps: the first 10 updates
     config.optim.schedule = "cosine"
     if get_algorithm(config.algorithm).uses_critic:

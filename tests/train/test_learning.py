@@ -11,11 +11,12 @@ of every number, depend on the processor): a lift under MARGIN means the learnin
 noise. The runs compile with XLA's default optimisation, as a user's do (not the session's fast
 compile, tests/xla.py): their cost is execution.
 
-Measured with the recipe's learning-rate warm-up and cosine decay on a 2-core Intel Xeon (seed
-0): the warm start stops after 64 steps at 0.417; at update 60 PPO stood at 0.72, GRPO 0.96,
-DPPO 0.82, Flow-DPPO 0.85, and all four end at 1.00. Before the warm-up the same GRPO command
-stood at 0.42-0.52 until update 60 on this processor; the runs train the recipe's whole length
-(150 updates), so the test checks where the recipe ends, not where a trajectory turns."""
+Measured with the recipe's learning-rate warm-up, cosine decay and interleaved step split on a
+2-core Intel Xeon (seed 0): the warm start stops after 64 steps at 0.417; at update 60 PPO stood
+at 0.96, GRPO 0.97, DPPO 0.90, Flow-DPPO 0.96, and all four end at 1.00. Before the warm-up the
+same GRPO command stood at 0.42-0.52 until update 60 on this processor; the runs train the
+recipe's whole length (150 updates), so the test checks where the recipe ends, not where a
+trajectory turns."""
 
 import pytest
 
