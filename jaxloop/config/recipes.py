@@ -45,8 +45,8 @@ def learning_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     stops once the greedy reward on held-out validation prompts reaches 0.45 (at most 400 steps;
     a fixed step count left seed-dependent starting points, 0.3-0.95), then 150 updates of 2
     optimizer steps each (each step on part of every group: learner.step_split=interleaved), the
-    actor's learning rate warmed up from 0 over 20 steps and then
-    cosine-decayed; a critic trains alone for 5 updates at lr 5e-3.
+    actor's learning rate warmed up from 0 over 20 steps and then cosine-decayed; a critic trains
+    alone for 5 updates at lr 5e-3.
 
     The warm-up: a fresh Adam's first step is lr x sign(gradient) on every weight, whatever the
     gradient's size; right after the warm start that one step moved the policy by a KL of

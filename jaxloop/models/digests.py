@@ -47,23 +47,22 @@ def _hash_file(path: Path) -> tuple[int, str]:
     The read buffer is no larger than the file, and a full-size chunk is an anonymous mapping of
     its own: an 8 MiB heap buffer per file, allocated in fresh pool threads at every save, stayed
     in glibc's per-thread arenas (a soak's RSS rose 5-8 % and then held; docs/reliability.md)."""
-    h = hashlib.sha256()
-    size = 0
     with open(path, "rb", buffering=0) as f:
         expected = os.fstat(f.fileno()).st_size
         if expected < _CHUNK:  # one read and the EOF read; a file grown since still hashes whole
-            buf = bytearray(expected + 1)
-            owner = None
-        else:
-            buf = owner = mmap.mmap(-1, _CHUNK)
-        try:
-            with memoryview(buf) as view:
-                while n := f.readinto(view):
-                    h.update(view[:n])
-                    size += n
-        finally:
-            if owner is not None:
-                owner.close()
+            return _hash_reading(f, bytearray(expected + 1))
+        with mmap.mmap(-1, _CHUNK) as chunk:
+            return _hash_reading(f, chunk)
+
+
+def _hash_reading(f, buf) -> tuple[int, str]:
+    """(bytes read, sha256 hex) of the rest of `f`, read into `buf` (released before it closes)."""
+    h = hashlib.sha256()
+    size = 0
+    with memoryview(buf) as view:
+        while n := f.readinto(view):
+            h.update(view[:n])
+            size += n
     return size, h.hexdigest()
 
 
