@@ -101,13 +101,23 @@ class WarmStartSection:
     stop_at_reward: float | None = knob(
         None,
         (
-            "end the warm start after the first step whose greedy mean reward on "
-            "warm_start.probe_prompts validation prompts reaches this (sft_steps is then the "
+            "end the warm start after the first step whose mean reward on "
+            "warm_start.probe_prompts validation prompts (answered as warm_start.probe_sampling "
+            "says) reaches this (sft_steps is then the "
             "most it runs): RL starts from a partly right model whatever the seed; None: all "
             "sft_steps"
         ),
         positive(),
         legacy_none=_zero,
+    )
+    probe_sampling: Literal["greedy", "rollout"] = knob(
+        "greedy",
+        (
+            "how the probe behind stop_at_reward answers: greedy (as evaluations do) | rollout "
+            "(one sample per prompt at rollout.temperature / top_p / top_k, seeded per prompt: "
+            "the reward RL's first groups see; a warm start whose greedy answer is right before "
+            "its samples are stops later)"
+        ),
     )
     probe_prompts: int = knob(
         64,

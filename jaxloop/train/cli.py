@@ -48,13 +48,22 @@ from jaxloop.train.setup import (
 
 def check_sft_keys_read(cfg) -> None:
     """A training run reads the sft.* keys and the other warm_start.* keys only for its warm
-    start: one changed from its default while warm_start.sft_steps is 0 would be silently
-    ignored, so it is refused."""
+    start, and the probe's keys only for warm_start.stop_at_reward: one changed from its
+    default while it is not read would be silently ignored, so it is refused."""
     from jaxloop.config import base_config, flat_items
 
-    if cfg.warm_start.sft_steps > 0:
-        return
     base = base_config()
+    if cfg.warm_start.sft_steps > 0:
+        if cfg.warm_start.stop_at_reward is None:
+            for key in ("probe_sampling", "probe_prompts"):
+                value, default = cfg.warm_start[key], base.warm_start[key]
+                if value != default:
+                    raise UsageError(
+                        f"warm_start.{key}={value!r} is read only by the probe behind "
+                        "warm_start.stop_at_reward, which is None: set stop_at_reward, or "
+                        f"--config.warm_start.{key}={default!r} as well"
+                    )
+        return
     for section in ("sft", "warm_start"):
         defaults = dict(flat_items(base[section]))
         for key, value in flat_items(cfg[section]):

@@ -3,6 +3,7 @@ of a training run; `jaxloop.sft` trains with the same data batches and optimizer
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -88,8 +89,10 @@ def probe_examples(data: dict, eval_prompts: int, seed: int, n: int) -> list:
 def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     """Up to `warm_start.sft_steps` SFT steps on the task's train split (its own data order) from
     `actor_params` (donated); with `warm_start.stop_at_reward` set it stops after the first step
-    whose greedy reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
-    that value, so the RL run starts from a model that answers partly right, whatever the seed.
+    whose mean reward on `warm_start.probe_prompts` validation prompts (`probe_examples`) reaches
+    that value, so the RL run starts from a model that answers partly right, whatever the seed;
+    the probe answers greedily, or with `probe_sampling=rollout` one sample per prompt at the
+    rollout's temperature (the sampled policy can be far flatter than its greedy answer).
     Returns the warm-started actor parameters and the metrics of the warm start (steps run,
     greedy eval reward before and after it, the last probe reward and loss, seconds)."""
     from jaxloop.train.setup import producer_settings
@@ -119,9 +122,11 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
     settings = producer_settings(cfg, requires_groups=False)
     tokenizer = build_tokenizer(settings.tokenizer, setup.model_cfg.vocab_size)
     data = sft_batches(cfg, settings.data, tokenizer)
-    probe = None
+    probe, probe_sampling = None, None  # None: the producer's greedy evaluation sampling
     if ws.stop_at_reward is not None:
         probe = probe_examples(settings.data, cfg.eval_prompts, cfg.seed, ws.probe_prompts)
+        if ws.probe_sampling == "rollout":
+            probe_sampling = dataclasses.replace(producer.eval_sampling, greedy=False)
     started = time.perf_counter()
     config = setup.actor_abstract.config
 
@@ -148,7 +153,8 @@ def warm_start(cfg, setup, producer, actor_params) -> tuple[dict, dict]:
             steps_run = step
             if probe is not None:
                 publish(actor_params)
-                last["probe_reward"] = float(np.mean(producer.eval_rewards(examples=probe)))
+                rewards = producer.eval_rewards(sampling=probe_sampling, examples=probe)
+                last["probe_reward"] = float(np.mean(rewards))
             bar.step(last)
             if probe is not None and last["probe_reward"] >= ws.stop_at_reward:
                 break

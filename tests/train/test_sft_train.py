@@ -188,6 +188,18 @@ def test_warm_start_and_critic_warmup_refusals(tmp_path):
         # read only by a warm start: refused, not ignored, without one
         ("ppo.py", no_warm_start),  # the recipe's stop_at_reward stays
         ("ppo.py", no_warm_start, "--config.warm_start.stop_at_reward=None", "--config.sft.lr=0.1"),
+        # the probe's keys are read only with stop_at_reward
+        (
+            "ppo.py",
+            "--config.warm_start.stop_at_reward=None",
+            "--config.warm_start.probe_prompts=8",
+        ),
+        (
+            "ppo.py",
+            "--config.warm_start.stop_at_reward=None",
+            "--config.warm_start.probe_sampling=rollout",
+        ),
+        ("ppo.py", "--config.warm_start.probe_sampling=beam"),
     ):
         proc = subprocess.run([*cmd, config, *keys], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (keys, proc.stderr)
@@ -214,6 +226,31 @@ def test_warm_start_stops_at_the_validation_reward(tmp_path):
     assert unreached[0]["warm_start_sft_steps"] == 4
     assert unreached[0]["warm_start_probe_reward"] == 1.0
     assert stopped[0]["warm_start_sft_loss"] != unreached[0]["warm_start_sft_loss"]
+
+
+def test_warm_start_probe_sampling_changes_only_what_the_probe_measures(tmp_path):
+    """probe_sampling=rollout probes with one sample per prompt at the rollout's temperature: the
+    SFT steps and the greedy evals are those of the greedy probe's run (the target is never
+    reached, so both run every step), the probe's reward is not the greedy one, and it follows
+    rollout.temperature (near 0 it is the greedy answer's)."""
+    base = (*WARM, "--config.warm_start.stop_at_reward=1.5", "--config.total_updates=1")
+    base += ("--config.warm_start.probe_prompts=32", "--config.critic.warmup_updates=0")
+    runs = {
+        name: run_train(tmp_path / name, "grpo.py", *base, *keys)[0]
+        for name, keys in (
+            ("greedy", ()),
+            ("rollout", ("--config.warm_start.probe_sampling=rollout",)),
+            (
+                "cold",
+                ("--config.warm_start.probe_sampling=rollout", "--config.rollout.temperature=1e-4"),
+            ),
+        )
+    }
+    for name in ("rollout", "cold"):
+        for key in ("warm_start_sft_steps", "warm_start_sft_loss", "warm_start_eval_after"):
+            assert runs[name][key] == runs["greedy"][key], (name, key)
+    assert runs["rollout"]["warm_start_probe_reward"] != runs["greedy"]["warm_start_probe_reward"]
+    assert runs["cold"]["warm_start_probe_reward"] == runs["greedy"]["warm_start_probe_reward"]
 
 
 def test_warm_start_probe_is_a_validation_set():
